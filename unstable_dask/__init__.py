@@ -1,0 +1,1 @@
+"""unstable_dask: self-play on TextArena games as Dask batch jobs over a Parquet/DuckDB lake."""

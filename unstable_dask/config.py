@@ -1,0 +1,268 @@
+"""Job files: one TOML file describes a run. Every default lives here, in these models.
+
+`load_job(path)` validates a file; `default_job()` is the embedded default (CPU, builtin tiny
+model, LocalCluster, ./lake, ./reports). Errors a user can fix raise `JobError` with one sentence
+naming the file, the key, the bad value and what was expected.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class JobError(Exception):
+    """A mistake in user input (job file, CLI value, SQL). Printed as one line, exit code 2."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Strict):
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    lake: str = "lake"
+    reports: str = "reports"
+    seed: int = 0
+
+
+class LoraConfig(_Strict):
+    rank: int = Field(32, gt=0)
+    alpha: int = Field(32, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class VllmConfig(_Strict):
+    gpu_memory_utilization: float = Field(0.8, gt=0.0, le=1.0)
+    max_loras: int = Field(4, gt=0)
+    max_num_seqs: int = Field(256, gt=0)
+    enforce_eager: bool = False
+    enable_sleep_mode: bool = True
+    # Passed verbatim to vllm.LLM(...), for options this file does not name.
+    extra: dict[str, Any] = {}
+
+
+TEMPLATES = ("default", "qwen3-zs", "qwen3-sp", "qwen3-reasoning", "gemma3-zs", "llama-instruct-zs", "chat")
+
+
+class ModelConfig(_Strict):
+    base: str = "builtin:tiny"  # HF id, local path, builtin:tiny, builtin:smollm2-135m-instruct
+    backend: Literal["hf", "vllm"] = "hf"
+    template: str = "qwen3-zs"
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(64, gt=0)
+    max_model_len: int = Field(4096, gt=0)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    hf_max_batch: int = Field(64, gt=0)  # hf backend: most prompts in one generate call
+    lora: LoraConfig = LoraConfig()
+    vllm: VllmConfig = VllmConfig()
+
+    @field_validator("template")
+    @classmethod
+    def _known_template(cls, v: str) -> str:
+        if v not in TEMPLATES:
+            raise ValueError(f"unknown template {v!r}; expected one of {', '.join(TEMPLATES)}")
+        return v
+
+
+ClusterKind = Literal["local", "local-gpu", "slurm", "pbs", "lsf", "sge", "address"]
+
+
+class ClusterConfig(_Strict):
+    kind: ClusterKind = "local"
+    n_workers: int = Field(2, gt=0)  # local: worker processes; local-gpu: capped at visible GPUs
+    threads_per_worker: int = Field(1, gt=0)
+    memory_limit: str = "auto"  # per worker; "0" disables the nanny's memory kill (vLLM workers)
+    address: str = ""  # kind = "address": an existing scheduler, e.g. tcp://10.0.0.5:8786
+    dashboard: bool = True
+    # dask-jobqueue kinds (slurm, pbs, lsf, sge)
+    queue: Optional[str] = None
+    account: Optional[str] = None
+    walltime: str = "01:00:00"
+    cores: int = Field(4, gt=0)
+    memory: str = "16GB"
+    processes: int = Field(1, gt=0)
+    gpus_per_job: int = Field(1, ge=0)
+    jobs: int = Field(1, ge=0)  # scale(jobs=...) when adapt is off
+    adapt_min: Optional[int] = Field(None, ge=0)
+    adapt_max: Optional[int] = Field(None, ge=0)
+    lifetime: Optional[str] = None  # worker --lifetime, e.g. "55m"
+    lifetime_stagger: str = "4m"
+    interface: Optional[str] = None
+    job_extra_directives: list[str] = []
+    worker_extra_args: list[str] = []
+    job_script_prologue: list[str] = []
+    extra: dict[str, Any] = {}  # any other dask-jobqueue keyword, passed through
+
+
+OpponentStrategy = Literal["mirror", "fixed", "lagged", "match-quality"]
+
+
+class EnvSpec(_Strict):
+    env_id: str
+    num_players: int = Field(2, ge=1)
+    # Seats played by the checkpoint being trained/evaluated; the rest are opponents.
+    num_actors: Optional[int] = Field(None, ge=1)
+    weight: float = Field(1.0, gt=0.0)
+    template: Optional[str] = None  # overrides [model].template for this env
+    # Eval envs: opponents for the non-actor seats (e.g. ["random"], ["base"], a checkpoint uid).
+    opponents: Optional[list[str]] = None
+
+    @model_validator(mode="after")
+    def _actors(self) -> "EnvSpec":
+        if self.num_actors is None:
+            self.num_actors = self.num_players
+        if self.num_actors > self.num_players:
+            raise ValueError(f"num_actors ({self.num_actors}) must be <= num_players ({self.num_players})")
+        if self.template is not None and self.template not in TEMPLATES:
+            raise ValueError(f"unknown template {self.template!r}; expected one of {', '.join(TEMPLATES)}")
+        return self
+
+
+class OpponentConfig(_Strict):
+    # mirror: the checkpoint plays every seat; fixed: uniform over `fixed`; lagged: uniform over
+    # the last `lag` checkpoints; match-quality: weights = TrueSkill quality once ratings exist.
+    strategy: OpponentStrategy = "mirror"
+    fixed: list[str] = ["random"]
+    lag: int = Field(5, gt=0)
+
+
+class RoundConfig(_Strict):
+    train_games: int = Field(16, ge=0)
+    eval_games: int = Field(4, ge=0)
+    games_per_task: int = Field(8, gt=0)  # a task = one Dask task writing one file per table
+    concurrency: int = Field(8, gt=0)  # games in flight inside one task (one batched generate per step)
+    max_turns: int = Field(200, gt=0)  # safety cap on turns per game
+    error_allowance: int = Field(1, ge=0)  # invalid moves a player may make before forfeiting
+    env_sampling: Literal["uniform", "weighted"] = "uniform"
+    train_envs: list[EnvSpec] = [EnvSpec(env_id="SimpleTak-v0-train")]
+    eval_envs: list[EnvSpec] = [EnvSpec(env_id="KuhnPoker-v0-train", num_actors=1, opponents=["random"])]
+    opponents: OpponentConfig = OpponentConfig()
+
+
+class LearnConfig(_Strict):
+    algorithm: Literal["reinforce", "a2c", "grpo"] = "reinforce"
+    batch_size: int = Field(32, gt=0)
+    mini_batch_size: int = Field(8, gt=0)
+    lr: float = Field(1e-5, gt=0.0)
+    critic_lr: float = Field(5e-5, gt=0.0)
+    grad_clip: float = Field(0.2, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    # Dr. GRPO: divide summed token log-probs by a constant (max_generation_len) or take the mean.
+    normalization: Literal["constant", "token-mean"] = "constant"
+    max_generation_len: Optional[int] = Field(None, gt=0)  # default: [model].max_new_tokens
+    max_train_len: Optional[int] = Field(None, gt=0)  # truncate prompt+completion to this
+    window: Union[Literal["latest", "all"], int] = "latest"  # rounds to sample: on-policy, all, or last k
+    updates_per_round: int = Field(1, gt=0)
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    gae_lambda: float = Field(1.0, ge=0.0, le=1.0)
+    clip_ratio: float = Field(0.2, gt=0.0)
+    kl_coef: float = Field(0.0, ge=0.0)
+    gradient_checkpointing: bool = True
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Reward transforms, as built-in names with arguments (e.g. "RewardForFormat(1.5)") or raw SQL.
+    final_transforms: list[str] = ["RoleAdvantageByEnvFormatter()"]
+    step_transforms: list[str] = ["RewardForFormat(1.5)", "PenaltyForInvalidMove(1.0, -1.0)"]
+    sampling_transforms: list[str] = ["NormalizeRewardsByEnv(z_score=True)"]
+
+    @model_validator(mode="after")
+    def _mini(self) -> "LearnConfig":
+        if self.mini_batch_size > self.batch_size:
+            raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must be <= batch_size ({self.batch_size})")
+        return self
+
+
+class RatingsConfig(_Strict):
+    mu: float = 25.0
+    sigma: float = Field(25.0 / 3.0, gt=0.0)
+    beta: float = Field(4.0, gt=0.0)
+    tau: float = Field(25.0 / 300.0, ge=0.0)
+    draw_probability: float = Field(0.10, ge=0.0, lt=1.0)
+    inherit_sigma_factor: float = Field(2.0, ge=1.0)  # new checkpoint: parent's mu, sigma*factor (capped)
+    bootstrap: int = Field(200, ge=0)  # Bradley-Terry bootstrap resamples for the 95% CI
+    include_eval: bool = True  # eval games against fixed opponents update ratings too
+
+
+class Job(_Strict):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    round: RoundConfig = RoundConfig()
+    learn: LearnConfig = LearnConfig()
+    ratings: RatingsConfig = RatingsConfig()
+    # Where the job came from (a path or "<default>"), for messages; not part of the TOML.
+    source: str = Field("<default>", exclude=True)
+
+    @property
+    def lake_path(self) -> Path:
+        return Path(self.run.lake)
+
+    @property
+    def reports_path(self) -> Path:
+        return Path(self.run.reports)
+
+    def fingerprint(self) -> str:
+        """A short hash of the validated job, stored with every round commit."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _loc(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc if not str(p).startswith("function-after")) or "<root>"
+
+
+def _format_error(source: str, err: ValidationError, raw: dict) -> str:
+    e = err.errors()[0]
+    key = _loc(e["loc"])
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        return f"{source}: unknown key '{key}' (check the spelling; see README 'Job files' for the keys)"
+    if e["type"] == "missing":
+        return f"{source}: missing required key '{key}'"
+    value = e.get("input")
+    if isinstance(value, (dict, list)) and e["type"] not in ("value_error",):
+        return f"{source}: key '{key}': {msg}"
+    return f"{source}: key '{key}' has value {value!r}: {msg}"
+
+
+def validate_job(raw: dict, source: str = "<default>") -> Job:
+    try:
+        job = Job.model_validate(raw)
+    except ValidationError as err:
+        raise JobError(_format_error(source, err, raw)) from None
+    job.source = source
+    return job
+
+
+def load_job(path: Union[str, Path, None] = None, overrides: Optional[dict] = None) -> Job:
+    """Read and validate a job file; no path means the embedded default job."""
+    raw: dict = {}
+    source = "<default>"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise JobError(f"{source}: job file not found")
+        try:
+            raw = tomllib.loads(p.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise JobError(f"{source}: not valid TOML ({e})") from None
+        except UnicodeDecodeError:
+            raise JobError(f"{source}: not a UTF-8 text file") from None
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = value
+    return validate_job(raw, source)
+
+
+def default_job() -> Job:
+    return load_job(None)

@@ -1,0 +1,339 @@
+"""The lake: hive-partitioned Parquet files plus DuckDB views over the committed ones.
+
+Layout (documented column by column in lake/README.md):
+
+    <lake>/<table>/run=<run>/round=<n>/<key>.parquet     games, turns, rounds (commit markers)
+    <lake>/<table>/run=<run>/iteration=<k>/<key>.parquet checkpoints, learner_steps
+    <lake>/<table>/run=<run>/<key>.parquet               ratings, rating_history, head_to_head
+    <lake>/adapters/<run>/<uid>/                         LoRA adapters (peft format)
+    <lake>/lake.duckdb                                   views for the duckdb shell (a snapshot)
+
+Every write goes to a `.tmp` name in the same folder and is renamed into place, so a reader sees
+a whole file or none, and a retried task replaces its file instead of adding a second copy.
+Games and turns become visible only once the round's commit marker exists; learner_steps only
+once their checkpoint row exists.
+"""
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SEAT = pa.struct([
+    ("pid", pa.int32()),
+    ("model_uid", pa.string()),  # checkpoint uid, "base", "random", or a fixed opponent's name
+    ("is_learner", pa.bool_()),  # seat played by the checkpoint this round trains/evaluates
+    ("role", pa.string()),
+    ("reward", pa.float64()),  # final reward from the env
+    ("invalid_move", pa.bool_()),  # the game ended because this seat made an invalid move
+    ("reason", pa.string()),
+])
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "games": pa.schema([
+        ("game_id", pa.string()),
+        ("split", pa.string()),  # train | eval
+        ("env_id", pa.string()),
+        ("seed", pa.int64()),
+        ("num_players", pa.int32()),
+        ("num_turns", pa.int32()),
+        ("started_at", pa.timestamp("us", tz="UTC")),
+        ("finished_at", pa.timestamp("us", tz="UTC")),
+        ("worker", pa.string()),
+        ("task", pa.string()),
+        ("seats", pa.list_(SEAT)),
+    ]),
+    "turns": pa.schema([
+        ("game_id", pa.string()),
+        ("turn", pa.int32()),  # 0-based index over all moves of the game
+        ("pid", pa.int32()),
+        ("model_uid", pa.string()),
+        ("is_learner", pa.bool_()),
+        ("split", pa.string()),
+        ("env_id", pa.string()),
+        ("seed", pa.int64()),  # the game's seed (GRPO groups by it)
+        ("observation", pa.string()),
+        ("prompt", pa.string()),  # exact text fed to the model (null for the random agent)
+        ("completion", pa.string()),  # raw model output
+        ("action", pa.string()),  # what was sent to the env
+        ("format_ok", pa.bool_()),  # a non-empty \boxed{} answer was found
+        ("invalid_move", pa.bool_()),
+        ("step_info", pa.string()),  # JSON
+        ("prompt_tokens", pa.int32()),
+        ("completion_tokens", pa.int32()),
+        ("truncated", pa.bool_()),  # generation stopped at max_new_tokens
+        ("logprobs", pa.list_(pa.float32())),  # per completion token, when the engine gives them
+        ("latency_s", pa.float64()),  # wall time of the batched generate call this turn was in
+    ]),
+    "rounds": pa.schema([
+        ("checkpoint_uid", pa.string()),  # the checkpoint this round played
+        ("games", pa.int64()),
+        ("turns", pa.int64()),
+        ("tasks", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("job_fingerprint", pa.string()),
+        ("job", pa.string()),  # the validated job as JSON
+        ("started_at", pa.timestamp("us", tz="UTC")),
+        ("committed_at", pa.timestamp("us", tz="UTC")),
+    ]),
+    "checkpoints": pa.schema([
+        ("uid", pa.string()),
+        ("parent_uid", pa.string()),
+        ("adapter_path", pa.string()),  # relative to the lake root; null for the base model
+        ("base_model", pa.string()),
+        ("rounds_trained", pa.list_(pa.int64())),
+        ("algorithm", pa.string()),
+        ("created_at", pa.timestamp("us", tz="UTC")),
+    ]),
+}
+
+# How each table is partitioned below run=<run>/.
+PARTITION = {"games": "round", "turns": "round", "rounds": "round",
+             "checkpoints": "iteration", "learner_steps": "iteration"}
+HIVE_TYPES = {"run": "VARCHAR", "round": "BIGINT", "iteration": "BIGINT"}
+
+_PARQUET_MAGIC = b"PAR1"
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def table_dir(lake: Union[str, Path], table: str, run: str, part: Optional[int] = None) -> Path:
+    d = Path(lake) / table / f"run={run}"
+    if part is not None:
+        d = d / f"{PARTITION[table]}={part}"
+    return d
+
+
+def write_table(lake: Union[str, Path], table: str, run: str, part: Optional[int], key: str,
+                data: Union[pa.Table, list[dict]], exclusive: bool = False) -> Path:
+    """Atomically write one Parquet file to its deterministic name and return the path.
+
+    `exclusive=True` refuses to replace an existing file (used for commit markers, so two drivers
+    cannot both commit the same round); it raises FileExistsError.
+    """
+    if isinstance(data, list):
+        schema = SCHEMAS.get(table)
+        data = pa.Table.from_pylist(data, schema=schema) if schema is not None else pa.Table.from_pylist(data)
+    elif table in SCHEMAS:
+        data = data.select(SCHEMAS[table].names).cast(SCHEMAS[table])
+    d = table_dir(lake, table, run, part)
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / f"{key}.parquet"
+    tmp = d / f".{key}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        pq.write_table(data, tmp, compression="zstd")
+        pq.read_metadata(tmp)  # a torn write fails here, never behind the final name
+        if exclusive:
+            os.link(tmp, final)  # atomic create-if-absent
+        else:
+            os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
+
+
+def is_whole_parquet(path: Path) -> bool:
+    """Cheap check for a complete Parquet file: magic bytes at both ends."""
+    try:
+        size = path.stat().st_size
+        if size < 12:
+            return False
+        with open(path, "rb") as f:
+            head = f.read(4)
+            f.seek(-4, os.SEEK_END)
+            return head == _PARQUET_MAGIC and f.read(4) == _PARQUET_MAGIC
+    except OSError:
+        return False
+
+
+_PART_RE = re.compile(r"^(run|round|iteration)=(.+)$")
+
+
+def _partition_values(path: Path, root: Path) -> dict:
+    vals = {}
+    for part in path.relative_to(root).parts[:-1]:
+        m = _PART_RE.match(part)
+        if m:
+            vals[m.group(1)] = m.group(2) if m.group(1) == "run" else int(m.group(2))
+    return vals
+
+
+def list_files(lake: Union[str, Path], table: str) -> list[Path]:
+    """Complete Parquet files of a table (temp files and torn files are skipped)."""
+    root = Path(lake) / table
+    if not root.is_dir():
+        return []
+    files = sorted(p for p in root.rglob("*.parquet") if not p.name.startswith("."))
+    return [p for p in files if is_whole_parquet(p)]
+
+
+def committed_rounds(lake: Union[str, Path], run: Optional[str] = None) -> set[tuple[str, int]]:
+    root = Path(lake) / "rounds"
+    out = set()
+    for p in list_files(lake, "rounds"):
+        v = _partition_values(p, root)
+        if "round" in v and (run is None or v["run"] == run):
+            out.add((v["run"], v["round"]))
+    return out
+
+
+def committed_checkpoint_iterations(lake: Union[str, Path]) -> set[tuple[str, int]]:
+    root = Path(lake) / "checkpoints"
+    return {(v["run"], v["iteration"]) for v in (_partition_values(p, root) for p in list_files(lake, "checkpoints"))
+            if "iteration" in v}
+
+
+def visible_files(lake: Union[str, Path], table: str) -> list[Path]:
+    """Files a reader may see: committed rounds for games/turns, committed checkpoints for steps."""
+    files = list_files(lake, table)
+    root = Path(lake) / table
+    if table in ("games", "turns"):
+        ok = committed_rounds(lake)
+        return [p for p in files if (lambda v: (v.get("run"), v.get("round")) in ok)(_partition_values(p, root))]
+    if table == "learner_steps":
+        ok = committed_checkpoint_iterations(lake)
+        return [p for p in files if (lambda v: (v.get("run"), v.get("iteration")) in ok)(_partition_values(p, root))]
+    return files
+
+
+def last_committed_round(lake: Union[str, Path], run: str) -> Optional[int]:
+    rounds = [r for (_, r) in committed_rounds(lake, run)]
+    return max(rounds) if rounds else None
+
+
+def _sql_str(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def view_sql(lake: Union[str, Path], table: str, absolute: bool = True) -> Optional[str]:
+    """SELECT over the visible files of a table, or None when there are none."""
+    files = visible_files(lake, table)
+    if not files:
+        return None
+    names = ", ".join(_sql_str(str(p.resolve() if absolute else p)) for p in files)
+    part = PARTITION.get(table)
+    types = {"run": "VARCHAR"} | ({part: "BIGINT"} if part else {})
+    hive_types = "{" + ", ".join(f"'{k}': '{v}'" for k, v in types.items()) + "}"
+    return (f"SELECT * FROM read_parquet([{names}], hive_partitioning=true, union_by_name=true, "
+            f"hive_types={hive_types})")
+
+
+TABLES = ("games", "turns", "rounds", "checkpoints", "learner_steps", "ratings", "rating_history", "head_to_head")
+
+
+SEATS_VIEW = """CREATE OR REPLACE VIEW seats AS
+    SELECT g.run, g.round, g.game_id, g.split, g.env_id, g.seed, g.num_players, g.num_turns,
+           s.pid, s.model_uid, s.is_learner, s.role, s.reward, s.invalid_move, s.reason
+    FROM games g, UNNEST(g.seats) AS t(s)"""
+
+
+def _empty_relation(con: duckdb.DuckDBPyConnection, table: str) -> Optional[str]:
+    schema = SCHEMAS.get(table)
+    if schema is None:
+        return None
+    part = PARTITION.get(table)
+    extra = [("run", pa.string())] + ([(part, pa.int64())] if part else [])
+    full = pa.schema(list(schema) + [pa.field(n, t) for n, t in extra])
+    name = f"_empty_{table}"
+    con.register(name, pa.Table.from_pylist([], schema=full))
+    return f"SELECT * FROM {name}"
+
+
+def create_views(con: duckdb.DuckDBPyConnection, lake: Union[str, Path]) -> list[str]:
+    """(Re)create one view per table over its visible files, plus the derived `seats` view."""
+    made = []
+    for table in TABLES:
+        sql = view_sql(lake, table)
+        if sql is None:
+            # Empty views of the known tables, so queries work on a fresh lake.
+            sql = _empty_relation(con, table)
+            if sql is None:
+                continue
+        con.execute(f"CREATE OR REPLACE VIEW {table} AS {sql}")
+        made.append(table)
+    con.execute(SEATS_VIEW)
+    made.append("seats")
+    return made
+
+
+def connect(lake: Union[str, Path] = "lake", read_only: bool = True) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with views over the committed data of `lake`.
+
+    `read_only=True` (the default) confines file access to the lake folder and locks the
+    configuration; together with `query` (SELECT statements only) user SQL can read the lake and
+    write nothing.
+    """
+    con = duckdb.connect(":memory:")
+    create_views(con, lake)
+    if read_only:
+        root = str(Path(lake).resolve()) + os.sep
+        con.execute("SET allowed_directories = [?]", [root])
+        con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")
+    return con
+
+
+def check_select_only(con: duckdb.DuckDBPyConnection, sql: str, what: str = "SQL") -> None:
+    """Raise JobError unless `sql` is one or more SELECT statements (no COPY, INSERT, ATTACH...)."""
+    from .config import JobError
+    try:
+        statements = con.extract_statements(sql)
+    except duckdb.Error as e:
+        raise JobError(f"{what}: does not parse ({str(e).splitlines()[0]})") from None
+    for st in statements:
+        if st.type != duckdb.StatementType.SELECT:
+            raise JobError(f"{what}: only SELECT queries may run against the lake, got a {st.type.name} statement")
+
+
+def query(lake: Union[str, Path], sql: str, params: Iterable = ()) -> pa.Table:
+    """Run a user's SELECT over the committed lake (read-only) and return Arrow."""
+    from .config import JobError
+    con = connect(lake)
+    try:
+        check_select_only(con, sql)
+        try:
+            return con.sql(sql, params=list(params) or None).to_arrow_table()
+        except duckdb.Error as e:
+            raise JobError(f"SQL error: {str(e).splitlines()[0]}") from None
+    finally:
+        con.close()
+
+
+def refresh_catalog(lake: Union[str, Path]) -> Path:
+    """Rewrite <lake>/lake.duckdb: views for the duckdb shell (`duckdb lake/lake.duckdb`)."""
+    lake = Path(lake)
+    lake.mkdir(parents=True, exist_ok=True)
+    final = lake / "lake.duckdb"
+    tmp = lake / f".lake.{uuid.uuid4().hex[:8]}.duckdb.tmp"
+    con = duckdb.connect(str(tmp))
+    try:
+        for table in TABLES:
+            sql = view_sql(lake, table)
+            if sql is not None:
+                con.execute(f"CREATE OR REPLACE VIEW {table} AS {sql}")
+        if view_sql(lake, "games") is not None:
+            con.execute(SEATS_VIEW)
+    finally:
+        con.close()
+    os.replace(tmp, final)
+    Path(str(tmp) + ".wal").unlink(missing_ok=True)
+    return final
+
+
+def read_table(lake: Union[str, Path], table: str, where: str = "", params: Iterable = ()) -> pa.Table:
+    """A visible table (optionally filtered) as Arrow, through DuckDB."""
+    con = connect(lake)
+    try:
+        sql = f"SELECT * FROM {table}" + (f" WHERE {where}" if where else "")
+        return con.sql(sql, params=list(params) or None).to_arrow_table()
+    finally:
+        con.close()
