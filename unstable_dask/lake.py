@@ -337,3 +337,19 @@ def read_table(lake: Union[str, Path], table: str, where: str = "", params: Iter
         return con.sql(sql, params=list(params) or None).to_arrow_table()
     finally:
         con.close()
+
+
+def commit_round(lake: Union[str, Path], run: str, round_: int, row: dict) -> Path:
+    """Write a round's commit marker; FileExistsError if that round is already committed."""
+    return write_table(lake, "rounds", run, round_, "commit", [row], exclusive=True)
+
+
+def clear_uncommitted(lake: Union[str, Path], run: str, round_: int) -> None:
+    """Remove files an earlier, failed attempt at an uncommitted round left behind."""
+    if (run, round_) in committed_rounds(lake, run):
+        raise FileExistsError(f"round {round_} of run {run!r} is already committed")
+    for table in ("games", "turns"):
+        d = table_dir(lake, table, run, round_)
+        if d.is_dir():
+            for p in d.iterdir():
+                p.unlink()
