@@ -1,0 +1,44 @@
+# Two commands on a fresh machine: `make demo` (a round of the embedded default job) and
+# `make test` (the whole suite). Both create .venv and install what they need first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test install test-deps slurm-up slurm-down vllm-cpu-test bench clean-lake
+
+install: $(VENV)/.installed
+
+# CPU machines get the CPU build of torch first; otherwise pip would pull a multi-GB CUDA build
+# for transformers/peft. On a CUDA machine torch comes from vLLM's pin (pip install -e '.[gpu]').
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PY) -m pip install -q -e '.[dev,gpu]'; \
+	else \
+	  $(PY) -m pip install -q torch==2.13.0 && $(PY) -m pip install -q -e '.[dev]'; \
+	fi
+	touch $@
+
+demo: install
+	$(PY) -m unstable_dask.run round
+
+# System packages the tests drive for real: Chromium (report tests) and a local SLURM.
+test-deps:
+	bash scripts/install-test-deps.sh
+
+test: install test-deps
+	$(PY) -m pytest -q -rs
+
+slurm-up:
+	bash scripts/slurm-localhost.sh start
+
+slurm-down:
+	bash scripts/slurm-localhost.sh stop
+
+bench: install
+	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean-lake:
+	rm -rf lake/*/ lake/lake.duckdb reports/*/ reports/index.html

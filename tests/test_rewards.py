@@ -1,0 +1,219 @@
+"""Every built-in reward transform equals a plain-Python reference of the UB math (to 1e-9)."""
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from unstable_dask import lake as lk
+from unstable_dask.config import JobError
+from unstable_dask.rewards import (GroupRelativeAdvantage, NormalizeRewards, NormalizeRewardsByEnv,
+                                   PenaltyForInvalidMove, RewardForFormat, RoleAdvantageByEnvFormatter,
+                                   RoleAdvantageFormatter, batch_query, parse_transform, parse_transforms,
+                                   run_batch_query, window_rounds)
+
+RUN = "t"
+
+
+def make_lake(root, rounds=3, games=40, seed=0):
+    """Random committed rounds: mirror and vs-random train games, eval games, two envs."""
+    rng = random.Random(seed)
+    for r in range(1, rounds + 1):
+        games_rows, turns_rows = [], []
+        ids = [f"g{rng.randrange(10**6):06d}-{i}" for i in range(games)]
+        for gid in ids:
+            env = rng.choice(["EnvA-v0", "EnvB-v0"])
+            split = "eval" if rng.random() < 0.2 else "train"
+            mirror = rng.random() < 0.6
+            gseed = rng.randrange(6)  # few seeds, so GRPO groups have several members
+            seats = []
+            for pid in range(2):
+                learner = mirror or pid == 0
+                seats.append(dict(pid=pid, model_uid="ckpt" if learner else "random", is_learner=learner,
+                                  role=f"Player {pid}", reward=rng.choice([-1.0, 0.0, 1.0, rng.uniform(-2, 2)]),
+                                  invalid_move=False, reason=""))
+            n = rng.randrange(1, 6)
+            games_rows.append(dict(game_id=gid, split=split, env_id=env, seed=gseed, num_players=2, num_turns=n,
+                                   seats=seats))
+            for t in range(n):
+                pid = t % 2
+                learner = seats[pid]["is_learner"]
+                turns_rows.append(dict(
+                    game_id=gid, turn=t, pid=pid, model_uid=seats[pid]["model_uid"], is_learner=learner,
+                    split=split, env_id=env, seed=gseed, observation="obs",
+                    prompt=f"p{gseed}-{t % 3}" if learner else None, completion="c" if learner else None,
+                    action="[0]", format_ok=rng.random() < 0.7, invalid_move=rng.random() < 0.2,
+                    prompt_tokens=5, completion_tokens=rng.randrange(1, 9), truncated=False, logprobs=None))
+        lk.write_table(root, "games", RUN, r, "task0", games_rows)
+        lk.write_table(root, "turns", RUN, r, "task0", turns_rows)
+        lk.commit_round(root, RUN, r, dict(checkpoint_uid="ckpt", games=len(ids)))
+    return root
+
+
+def ref_final(root, tau, by_env, upto):
+    con = lk.connect(root)
+    seats = con.sql(f"SELECT round, game_id, env_id, pid, reward FROM seats WHERE run = '{RUN}' "
+                    f"AND split = 'train' AND is_learner AND round <= {upto}").fetchall()
+    b, out = defaultdict(float), {}
+    for rnd, gid, env, pid, r in sorted(seats, key=lambda s: (s[0], s[1])):
+        key = (env, pid) if by_env else pid
+        b[key] = (1 - tau) * b[key] + tau * r  # UB: update first, then subtract the updated baseline
+        out[(rnd, gid, pid)] = r - b[key]
+    return out
+
+
+def ref_steps(root, final, rounds, step):
+    con = lk.connect(root)
+    rows = con.sql(f"SELECT round, game_id, turn, pid, env_id, seed, prompt, format_ok, invalid_move FROM turns "
+                   f"WHERE run = '{RUN}' AND split = 'train' AND is_learner AND prompt IS NOT NULL").fetchall()
+    out = {}
+    for rnd, gid, turn, pid, env, seed, prompt, fmt, inv in rows:
+        if rnd not in rounds:
+            continue
+        r = final[(rnd, gid, pid)]
+        for t in step:
+            if isinstance(t, RewardForFormat):
+                r += t.reward if fmt else t.penalty
+            else:
+                r += t.penalty if inv else t.reward
+        out[(rnd, gid, turn, pid)] = dict(r=r, env=env, seed=seed, prompt=prompt)
+    return out
+
+
+def ref_sampling(rows, transform):
+    def norm(keys, z):
+        groups = defaultdict(list)
+        for k in keys:
+            groups[gkey(rows[k])].append(rows[k]["r"])
+        for k in keys:
+            g = np.array(groups[gkey(rows[k])])
+            v = rows[k]["r"] - g.mean()
+            rows[k]["r"] = v / (np.std(g) + 1e-8) if z else v
+    keys = list(rows)
+    if isinstance(transform, NormalizeRewardsByEnv):
+        gkey = lambda x: x["env"]  # noqa: E731
+        norm(keys, transform.z_score)
+    elif isinstance(transform, NormalizeRewards):
+        gkey = lambda x: 0  # noqa: E731
+        norm(keys, transform.z_score)
+    else:
+        gkey = (lambda x: (x["env"], x["seed"])) if transform.by == "seed" else (lambda x: x["prompt"])  # noqa: E731
+        norm(keys, True)
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory):
+    return make_lake(tmp_path_factory.mktemp("lake"))
+
+
+FINALS = [RoleAdvantageFormatter(), RoleAdvantageByEnvFormatter(), RoleAdvantageFormatter(0.3),
+          RoleAdvantageByEnvFormatter(0.05)]
+STEPS = [[], [RewardForFormat(1.5)], [RewardForFormat(1.5, -0.5), PenaltyForInvalidMove(1.0, -1.0)]]
+SAMPLINGS = [None, NormalizeRewards(), NormalizeRewards(z_score=True), NormalizeRewardsByEnv(),
+             NormalizeRewardsByEnv(z_score=True), GroupRelativeAdvantage(), GroupRelativeAdvantage("prompt")]
+
+
+@pytest.mark.parametrize("final", FINALS, ids=repr)
+@pytest.mark.parametrize("window", ["latest", "all", 2])
+def test_final_and_step_transforms_match_reference(lake, final, window):
+    rounds = window_rounds(lake, RUN, window)
+    ref_f = ref_final(lake, final.tau, isinstance(final, RoleAdvantageByEnvFormatter), max(rounds))
+    con = lk.connect(lake)
+    for step in STEPS:
+        got = run_batch_query(con, batch_query(RUN, rounds, 10**6, 0, [final], step, []))
+        ref = ref_steps(lake, ref_f, set(rounds), step)
+        assert got.num_rows == len(ref) > 0
+        for row in got.to_pylist():
+            k = (row["round"], row["game_id"], row["turn"], row["pid"])
+            assert row["final_reward"] == pytest.approx(ref_f[k[:2] + k[3:]], abs=1e-9)
+            assert row["advantage"] == pytest.approx(ref[k]["r"], abs=1e-9)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=repr)
+def test_sampling_transforms_match_reference_over_the_sampled_batch(lake, sampling):
+    rounds = window_rounds(lake, RUN, "all")
+    final, step = RoleAdvantageByEnvFormatter(), [RewardForFormat(1.5), PenaltyForInvalidMove(1.0, -1.0)]
+    ref_all = ref_steps(lake, ref_final(lake, 0.001, True, max(rounds)), set(rounds), step)
+    con = lk.connect(lake)
+    got = run_batch_query(con, batch_query(RUN, rounds, 40, 7, [final], step, [sampling] if sampling else []))
+    assert got.num_rows == 40 < len(ref_all)
+    rows = {(r["round"], r["game_id"], r["turn"], r["pid"]): dict(ref_all[(r["round"], r["game_id"], r["turn"], r["pid"])])
+            for r in got.to_pylist()}
+    if sampling is not None:
+        ref_sampling(rows, sampling)
+    for r in got.to_pylist():
+        k = (r["round"], r["game_id"], r["turn"], r["pid"])
+        assert r["advantage"] == pytest.approx(rows[k]["r"], abs=1e-9)
+        assert r["step_reward"] == pytest.approx(ref_all[k]["r"], abs=1e-9)
+
+
+@pytest.mark.parametrize("tau", [0.001, 0.01, 0.3, 0.9])
+def test_ema_is_exact_over_long_histories(tau):
+    """Past the block length (where (1-tau)^-k would overflow) the SQL EMA still equals the loop."""
+    n = 20_000
+    rng = np.random.default_rng(1)
+    r = rng.normal(size=n) * 3
+    con = duckdb.connect()
+    con.register("src0", pa.table({"round": np.arange(n) // 100, "game_id": [f"{i:06d}" for i in range(n)],
+                                   "pid": np.zeros(n, dtype=np.int32), "reward": r}))
+    got = con.sql(f"SELECT reward FROM ({RoleAdvantageFormatter(tau).sql('src0')}) ORDER BY round, game_id").fetchnumpy()
+    b, ref = 0.0, np.empty(n)
+    for i, x in enumerate(r):
+        b = (1 - tau) * b + tau * x
+        ref[i] = x - b
+    np.testing.assert_allclose(got["reward"], ref, rtol=0, atol=1e-9)
+
+
+def test_query_is_deterministic_for_a_seed(lake):
+    rounds = window_rounds(lake, RUN, "all")
+    tr = dict(final=parse_transforms(["RoleAdvantageByEnvFormatter()"], "final"),
+              step=parse_transforms(["RewardForFormat(1.5)", "PenaltyForInvalidMove(1.0, -1.0)"], "step"),
+              sampling=parse_transforms(["NormalizeRewardsByEnv(z_score=True)"], "sampling"))
+    q1 = batch_query(RUN, rounds, 30, 3, **tr)
+    assert q1 == batch_query(RUN, rounds, 30, 3, **tr)
+    a = run_batch_query(lk.connect(lake), q1)
+    b = run_batch_query(lk.connect(lake), q1)
+    assert a.equals(b)
+    c = run_batch_query(lk.connect(lake), batch_query(RUN, rounds, 30, 4, **tr))
+    assert a.column("game_id").to_pylist() != c.column("game_id").to_pylist()
+
+
+def test_parser_builds_objects_without_eval():
+    assert parse_transform("RewardForFormat(1.5)", "step") == RewardForFormat(1.5, 0.0)
+    assert parse_transform("PenaltyForInvalidMove(1.0, -1.0)", "step") == PenaltyForInvalidMove(1.0, -1.0)
+    assert parse_transform("NormalizeRewardsByEnv(z_score=True)", "sampling") == NormalizeRewardsByEnv(True)
+    assert parse_transform("RoleAdvantageFormatter", "final") == RoleAdvantageFormatter(0.001)
+    for bad, stage in [("__import__('os').system('x')", "step"), ("RewardForFormat(1.5)", "final"),
+                       ("RewardForFormat(x)", "step"), ("RoleAdvantageFormatter(tau=2)", "final"),
+                       ("Nope()", "sampling"), ("RewardForFormat(", "step")]:
+        with pytest.raises(JobError):
+            parse_transform(bad, stage)
+
+
+def test_raw_sql_transform_runs_on_its_stage_relation(lake):
+    rounds = window_rounds(lake, RUN, "latest")
+    step = [parse_transform("SELECT * REPLACE (reward * 2 AS reward) FROM steps", "step")]
+    got = run_batch_query(lk.connect(lake), batch_query(RUN, rounds, 10**6, 0, [], step, []))
+    for row in got.to_pylist():
+        assert row["advantage"] == pytest.approx(2 * row["env_reward"], abs=1e-12)
+
+
+@pytest.mark.parametrize("sql", ["COPY (SELECT 1) TO '/tmp/x.csv'", "DELETE FROM turns",
+                                 "SELECT 1; DROP TABLE turns", "CREATE TABLE x AS SELECT 1", "SELECT FROM WHERE"])
+def test_bad_or_writing_sql_is_a_job_error(sql):
+    with pytest.raises(JobError):
+        parse_transform(sql if sql.lstrip().upper().startswith(("SELECT", "WITH")) else "WITH a AS (SELECT 1) " + sql,
+                        "step")
+
+
+def test_sql_that_fails_at_run_time_or_drops_columns_is_a_job_error(lake):
+    rounds = window_rounds(lake, RUN, "latest")
+    con = lk.connect(lake)
+    for text in ["SELECT nope FROM steps", "SELECT game_id, reward FROM steps",
+                 "SELECT * FROM read_csv('/etc/passwd')"]:
+        with pytest.raises(JobError):
+            run_batch_query(con, batch_query(RUN, rounds, 10, 0, [], [parse_transform(text, "step", con)], []))

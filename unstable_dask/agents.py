@@ -1,0 +1,55 @@
+"""The builtin `random` opponent: plays a legal move parsed from the observation.
+
+Most TextArena games print the legal moves ("Available Moves: [0], [1]", "Your available actions
+are: '[check]', '[bet]'", "Valid moves: '[2, 3]'"); the last such line is the current one. Games
+that only describe the move format get a small parser here (ConnectFour, Nim). Elsewhere the agent
+falls back to the bracketed examples in the rules, which may be illegal.
+"""
+from __future__ import annotations
+
+import random
+import re
+from typing import Callable, Optional
+
+_LIST_LINE = re.compile(r"(available|valid|legal)\s+(moves|actions)[^\n]*", re.IGNORECASE)
+_BRACKET = re.compile(r"\[[^\[\]\n]{1,40}\]")
+
+
+def _connect_four(obs: str) -> list[str]:
+    # The board's first row of cells after the "0 1 2 ..." header; '.' marks an open column.
+    lines = obs.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if re.fullmatch(r"\s*0( \d+)+\s*", lines[i]) and i + 2 < len(lines):
+            top = lines[i + 2].split()
+            return [f"[col {c}]" for c, cell in enumerate(top) if cell == "."]
+    return []
+
+
+def _nim(obs: str) -> list[str]:
+    piles = {}
+    for m in re.finditer(r"pile (\d+): (\d+)", obs):
+        piles[int(m.group(1))] = int(m.group(2))  # later lines are the current state
+    return [f"[{p} {q}]" for p, n in sorted(piles.items()) for q in range(1, n + 1)]
+
+
+_PARSERS: dict[str, Callable[[str], list[str]]] = {"ConnectFour": _connect_four, "Nim": _nim}
+
+
+def legal_moves(env_id: str, obs: str) -> list[str]:
+    """Legal moves listed in (or derived from) the latest observation, in order of appearance."""
+    base = env_id.split("-v")[0]
+    if base in _PARSERS:
+        moves = _PARSERS[base](obs)
+        if moves:
+            return moves
+    lines = [m.group(0) for m in _LIST_LINE.finditer(obs)]
+    for line in reversed(lines):
+        moves = _BRACKET.findall(line)
+        if moves:
+            return moves
+    return list(dict.fromkeys(_BRACKET.findall(obs)))
+
+
+def random_move(env_id: str, obs: str, rng: random.Random) -> Optional[str]:
+    moves = legal_moves(env_id, obs)
+    return rng.choice(moves) if moves else None

@@ -1,0 +1,163 @@
+"""Play one task: many TextArena games at once on the worker's resident engine.
+
+Each step gathers the pending prompts of every game in flight, makes one batched `generate` call
+per adapter, and steps each env. A finished game frees its slot for the next one until the task's
+games are played; then the task writes its `games` and `turns` files to the lake (atomically, under
+names fixed by the schedule, so a retried task replaces its files).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import textarena as ta
+
+from . import lake as lk
+from .agents import random_move
+from .config import ModelConfig, RoundConfig
+from .schedule import GameSpec, TaskSpec
+from .templates import extract_action, render_prompt
+
+
+def _state(env: Any) -> Any:
+    e = env
+    while not hasattr(e, "state"):
+        e = e.env
+    return e.state
+
+
+@dataclass
+class _Game:
+    spec: GameSpec
+    env: Any
+    rng_state: Any  # this game's own `random` state: TextArena envs use the process-global one
+    agent_rng: random.Random
+    started_at: Any
+    turns: list[dict] = field(default_factory=list)
+
+    def call(self, fn, *args):
+        """Run an env call with this game's random state swapped in, so interleaved games stay
+        reproducible (env.reset(seed=...) seeds the global `random`)."""
+        outer = random.getstate()
+        random.setstate(self.rng_state)
+        try:
+            return fn(*args)
+        finally:
+            self.rng_state = random.getstate()
+            random.setstate(outer)
+
+
+def _start(spec: GameSpec, cfg: RoundConfig) -> _Game:
+    env = ta.make(spec.env_id)
+    outer = random.getstate()
+    try:
+        env.reset(num_players=len(spec.seats), seed=spec.seed)
+        rng_state = random.getstate()
+    finally:
+        random.setstate(outer)
+    _state(env).error_allowance = cfg.error_allowance
+    return _Game(spec, env, rng_state, random.Random(spec.seed), lk.now())
+
+
+def _seat_row(seat, reward, info) -> dict:
+    return dict(pid=seat.pid, model_uid=seat.model_uid, is_learner=seat.is_learner,
+                role=str(info.get("role", f"Player {seat.pid}")), reward=float(reward),
+                invalid_move=bool(info.get("invalid_move", False)), reason=str(info.get("reason", "")))
+
+
+def _finish(g: _Game, worker: str, task: str, capped: bool) -> dict:
+    if capped:  # our max_turns cap, not the game's rules: a draw for everyone
+        rewards = {s.pid: 0.0 for s in g.spec.seats}
+        infos = {s.pid: {"reason": "unstable_dask: max_turns reached"} for s in g.spec.seats}
+    else:
+        rewards, infos = g.call(g.env.close)
+    return dict(game_id=g.spec.game_id, split=g.spec.split, env_id=g.spec.env_id, seed=g.spec.seed,
+                num_players=len(g.spec.seats), num_turns=len(g.turns), started_at=g.started_at,
+                finished_at=lk.now(), worker=worker, task=task,
+                seats=[_seat_row(s, rewards.get(s.pid, 0.0), infos.get(s.pid, {})) for s in g.spec.seats])
+
+
+def _step(g: _Game, pid: int, action: str, row: dict) -> bool:
+    """Send an action to the env and record the turn; returns done."""
+    state = _state(g.env)
+    errors_before = state.error_count
+    done, info = g.call(g.env.step, action)
+    ended_invalid = done and bool(_state(g.env).game_info.get(pid, {}).get("invalid_move", False))
+    row.update(action=action, invalid_move=state.error_count > errors_before or ended_invalid,
+               step_info=json.dumps(info or {}, default=str), turn=len(g.turns))
+    g.turns.append(row)
+    return done
+
+
+def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, lake: str,
+              progress: Optional[Any] = None) -> dict:
+    """Play every game of `task`, write its games/turns files, return counters for the driver.
+
+    `progress(games_finished_this_step, completion_tokens_so_far)` is called after every step.
+    """
+    from .envs import register_envs
+    register_envs()
+    worker = f"{socket.gethostname()}:{os.getpid()}"
+    engine = None
+    if any(not s.is_random for g in task.games for s in g.seats):
+        from .engines import get_engine
+        engine = get_engine(model_cfg)
+    pending = list(task.games)
+    active: list[_Game] = []
+    games_out: list[dict] = []
+    turns_out: list[dict] = []
+    tokens, gen_time, t0 = 0, 0.0, time.perf_counter()
+
+    while pending or active:
+        while pending and len(active) < round_cfg.concurrency:
+            active.append(_start(pending.pop(0), round_cfg))
+        requests: dict[Optional[str], list[tuple[_Game, int, str, str, Any]]] = defaultdict(list)
+        finished: list[tuple[_Game, bool]] = []
+        for g in active:
+            pid, obs = g.call(g.env.get_observation)
+            seat = g.spec.seats[pid]
+            base_row = dict(game_id=g.spec.game_id, pid=pid, model_uid=seat.model_uid, is_learner=seat.is_learner,
+                            split=g.spec.split, env_id=g.spec.env_id, seed=g.spec.seed, observation=obs)
+            if seat.is_random:
+                move = random_move(g.spec.env_id, obs, g.agent_rng) or "[pass]"
+                base_row.update(prompt=None, completion=None, format_ok=True, prompt_tokens=0,
+                                completion_tokens=0, truncated=False, logprobs=None, latency_s=0.0)
+                if _step(g, pid, move, base_row) or len(g.turns) >= round_cfg.max_turns:
+                    finished.append((g, len(g.turns) >= round_cfg.max_turns and not _state(g.env).done))
+                continue
+            prompt = render_prompt(g.spec.template, obs, engine.chat_prompt)
+            requests[seat.adapter].append((g, pid, prompt, seat.model_uid, base_row))
+        for adapter_path, reqs in requests.items():
+            adapter = None
+            if adapter_path is not None:
+                from .engines import Adapter
+                adapter = Adapter(reqs[0][3], adapter_path)
+            t = time.perf_counter()
+            outs = engine.generate([r[2] for r in reqs], adapter=adapter)
+            dt = time.perf_counter() - t
+            gen_time += dt
+            for (g, pid, prompt, _, row), out in zip(reqs, outs):
+                action, ok = extract_action(out.text)
+                tokens += out.completion_tokens
+                row.update(prompt=prompt, completion=out.text, format_ok=ok, prompt_tokens=out.prompt_tokens,
+                           completion_tokens=out.completion_tokens, truncated=out.truncated,
+                           logprobs=out.logprobs, latency_s=dt)
+                if _step(g, pid, action, row) or len(g.turns) >= round_cfg.max_turns:
+                    finished.append((g, len(g.turns) >= round_cfg.max_turns and not _state(g.env).done))
+        for g, capped in finished:
+            active.remove(g)
+            games_out.append(_finish(g, worker, task.key, capped))
+            turns_out.extend(g.turns)
+        if progress is not None:
+            progress(len(finished), tokens)
+
+    lk.write_table(lake, "turns", task.run, task.round, task.key, turns_out)
+    lk.write_table(lake, "games", task.run, task.round, task.key, games_out)
+    return dict(task=task.key, games=len(games_out), turns=len(turns_out), completion_tokens=tokens,
+                generate_s=gen_time, wall_s=time.perf_counter() - t0, worker=worker)

@@ -1,0 +1,155 @@
+"""The round job: schedule a round's games, play them as Dask tasks, commit the round.
+
+The driver alone writes the commit marker, after every task has written its files; until then
+readers see nothing of the round. A failed or killed round is simply run again: the uncommitted
+files of the earlier attempt are cleared and the same games (same ids and seeds) are replayed.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from distributed import Client, get_worker
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from . import lake as lk
+from .cluster import open_client
+from .config import Job
+from .play import play_task
+from .schedule import Checkpoint, check_envs, list_checkpoints, schedule_round
+
+PROGRESS_TOPIC = "unstable_dask.progress"
+
+
+@dataclass
+class RoundSummary:
+    run: str
+    round: int
+    checkpoint_uid: str
+    games: int
+    turns: int
+    completion_tokens: int
+    wall_s: float
+    tasks: list[dict] = field(default_factory=list)
+    lake: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def newest_checkpoint(lake: str, run: str) -> Checkpoint:
+    return list_checkpoints(lake, run)[-1]
+
+
+def _play_on_worker(task, model_cfg, round_cfg, lake):
+    """The Dask task: play, and stream progress to the driver as worker events (throttled)."""
+    worker = get_worker()
+    last = [0.0, 0, 0]  # time sent, games not yet sent, tokens sent
+
+    def progress(games: int, tokens: int) -> None:
+        last[1] += games
+        now = time.monotonic()
+        if now - last[0] > 0.5 or last[1]:
+            worker.log_event(PROGRESS_TOPIC, {"games": last[1], "tokens": tokens - last[2]})
+            last[0], last[1], last[2] = now, 0, tokens
+
+    return play_task(task, model_cfg, round_cfg, lake, progress)
+
+
+def _task_resources(job: Job) -> Optional[dict]:
+    from . import cluster
+    fn = getattr(cluster, "task_resources", None)
+    return fn(job.cluster) if fn else None
+
+
+def play_round(job: Job, client: Optional[Client] = None, console: Optional[Console] = None) -> RoundSummary:
+    """Play and commit the next round of `job.run.name`; the Python twin of `run round`."""
+    console = console or Console(stderr=True)
+    lake, run = job.run.lake, job.run.name
+    check_envs(job)
+    last = lk.last_committed_round(lake, run)
+    round_ = 0 if last is None else last + 1
+    checkpoints = list_checkpoints(lake, run)
+    current = checkpoints[-1]
+    tasks = schedule_round(job, round_, current, checkpoints)
+    lk.clear_uncommitted(lake, run, round_)
+    started = lk.now()
+    t0 = time.perf_counter()
+    n_games = sum(len(t.games) for t in tasks)
+    if client is None:
+        with open_client(job.cluster) as own:
+            results = _run_tasks(own, job, tasks, n_games, round_, current, console)
+    else:
+        results = _run_tasks(client, job, tasks, n_games, round_, current, console)
+    wall = time.perf_counter() - t0
+    summary = RoundSummary(run, round_, current.uid, sum(r["games"] for r in results),
+                           sum(r["turns"] for r in results), sum(r["completion_tokens"] for r in results),
+                           wall, results, str(lake))
+    lk.commit_round(lake, run, round_, dict(
+        checkpoint_uid=current.uid, games=summary.games, turns=summary.turns, tasks=len(tasks),
+        completion_tokens=summary.completion_tokens, job_fingerprint=job.fingerprint(),
+        job=json.dumps(job.model_dump(mode="json"), sort_keys=True), started_at=started, committed_at=lk.now()))
+    lk.refresh_catalog(lake)
+    return summary
+
+
+def _run_tasks(client: Client, job: Job, tasks, n_games: int, round_: int, current: Checkpoint,
+               console: Console) -> list[dict]:
+    lake = str(job.run.lake)
+    if client.dashboard_link:
+        console.print(f"[dim]dashboard: {client.dashboard_link}[/dim]")
+    lock = threading.Lock()
+    counts = {"games": 0, "tokens": 0}
+    t0 = time.perf_counter()
+    with Progress(TextColumn("[bold]round {task.fields[round]}[/bold] {task.fields[ckpt]}"), BarColumn(),
+                  MofNCompleteColumn(), TextColumn("games  {task.fields[tps]:.0f} tok/s"), TimeElapsedColumn(),
+                  console=console, transient=False) as bar:
+        tid = bar.add_task("play", total=n_games, round=round_, ckpt=current.uid, tps=0.0)
+
+        def on_event(event) -> None:
+            _, msg = event
+            with lock:
+                counts["games"] += msg["games"]
+                counts["tokens"] += msg["tokens"]
+                bar.update(tid, completed=min(counts["games"], n_games),
+                           tps=counts["tokens"] / max(time.perf_counter() - t0, 1e-9))
+
+        client.subscribe_topic(PROGRESS_TOPIC, on_event)
+        try:
+            futures = [client.submit(_play_on_worker, t, job.model, job.round, lake, pure=False,
+                                     key=f"play-{t.run}-r{t.round}-{t.key}-{time.time_ns()}",
+                                     resources=_task_resources(job), retries=2)
+                       for t in tasks]
+            results = client.gather(futures)
+        finally:
+            client.unsubscribe_topic(PROGRESS_TOPIC)
+        bar.update(tid, completed=n_games,
+                   tps=sum(r["completion_tokens"] for r in results) / max(time.perf_counter() - t0, 1e-9))
+    return results
+
+
+def round_stats(lake: str, run: str, round_: int) -> list[dict]:
+    """Per model and split: games, W/D/L, format success, invalid-move rate (from the lake)."""
+    return lk.query(lake, """
+        WITH s AS (
+            SELECT split, model_uid, game_id, reward,
+                   max(reward) OVER (PARTITION BY game_id) AS best,
+                   min(reward) OVER (PARTITION BY game_id) AS worst
+            FROM seats WHERE run = ? AND round = ?),
+        t AS (
+            SELECT split, model_uid, avg(format_ok::INT) AS format_ok, avg(invalid_move::INT) AS invalid_move,
+                   avg(completion_tokens) AS completion_tokens
+            FROM turns WHERE run = ? AND round = ? GROUP BY ALL)
+        SELECT s.split, s.model_uid, count(DISTINCT s.game_id) AS games,
+               sum((s.reward = s.best AND s.best > s.worst)::INT) AS wins,
+               sum((s.best = s.worst)::INT) AS draws,
+               sum((s.reward < s.best)::INT) AS losses,
+               any_value(t.format_ok) AS format_ok, any_value(t.invalid_move) AS invalid_move,
+               any_value(t.completion_tokens) AS mean_completion_tokens
+        FROM s LEFT JOIN t USING (split, model_uid)
+        GROUP BY ALL ORDER BY s.split DESC, s.model_uid""", [run, round_, run, round_]).to_pylist()

@@ -1,0 +1,180 @@
+"""Command line: `python -m unstable_dask.run <job> [--job jobs/X.toml] [options]`.
+
+Jobs: round, eval, learn, rate, report, loop, sql, cluster. With no --job the embedded default
+runs (CPU, builtin tiny model, LocalCluster, ./lake, ./reports). User mistakes print one line and
+exit with code 2; tracebacks are for bugs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tomllib
+from typing import Any, Optional
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .config import Job, JobError, load_job
+
+console = Console()
+err = Console(stderr=True)
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    """--set round.train_games=4 --set model.base='"builtin:tiny"' (values are TOML)."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise JobError(f"--set {item!r}: expected KEY=VALUE, e.g. --set round.train_games=4")
+        key, value = item.split("=", 1)
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = value  # a bare string
+    return out
+
+
+def _job(args) -> Job:
+    return load_job(args.job, _parse_set(args.set or []))
+
+
+def _print_table(rows: list[dict], title: Optional[str] = None) -> None:
+    if not rows:
+        console.print("(no rows)")
+        return
+    table = Table(title=title, show_lines=False)
+    for col in rows[0]:
+        table.add_column(str(col), overflow="fold")
+    for r in rows:
+        table.add_row(*[_fmt(v) for v in r.values()])
+    console.print(table)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def cmd_round(args, eval_only: bool = False) -> None:
+    from .round import play_round, round_stats
+    overrides = {"round.train_games": 0} if eval_only else {}
+    job = load_job(args.job, _parse_set(args.set or []) | overrides)
+    s = play_round(job, console=err)
+    console.print(f"round {s.round} of run [bold]{s.run}[/bold] played checkpoint [bold]{s.checkpoint_uid}[/bold]: "
+                  f"{s.games} games, {s.turns} turns, {s.completion_tokens} completion tokens in {s.wall_s:.1f} s "
+                  f"({s.tokens_per_s:.0f} tok/s)")
+    _print_table(round_stats(job.run.lake, s.run, s.round), title="per model (seats)")
+    console.print(f"lake: {os.path.abspath(job.run.lake)}  (try: python -m unstable_dask.run sql "
+                  f"\"SELECT split, count(*) FROM games GROUP BY split\" --lake {job.run.lake})")
+
+
+def cmd_sql(args) -> None:
+    from . import lake as lk
+    lake = args.lake or (load_job(args.job).run.lake if args.job else "lake")
+    table = lk.query(lake, args.query)
+    if args.format == "csv":
+        import pyarrow.csv as pacsv
+        pacsv.write_csv(table, sys.stdout.buffer)
+    elif args.format == "json":
+        print(json.dumps(table.to_pylist(), default=str, ensure_ascii=False))
+    else:
+        _print_table(table.to_pylist()[: args.limit])
+        if table.num_rows > args.limit:
+            console.print(f"... {table.num_rows - args.limit} more rows (--limit, or --format csv for all)")
+
+
+def cmd_learn(args) -> None:
+    from .learn import learn
+    out = learn(_job(args), show_sql=args.show_sql, preview=args.preview)
+    if isinstance(out, str):
+        print(out)
+    elif out is not None:
+        console.print(out)
+
+
+def cmd_rate(args) -> None:
+    from .ratings import rate
+    console.print(rate(_job(args)))
+
+
+def cmd_report(args) -> None:
+    from .report import report
+    path = report(_job(args))
+    console.print(f"report: {path}")
+
+
+def cmd_loop(args) -> None:
+    from .loop import loop
+    loop(_job(args), rounds=args.rounds)
+
+
+def cmd_cluster(args) -> None:
+    from . import cluster
+    job = _job(args)
+    if args.dry_run:
+        print(cluster.job_script(job.cluster))
+        return
+    with cluster.open_client(job.cluster) as client:
+        console.print(f"scheduler: {client.scheduler.address}  dashboard: {client.dashboard_link}")
+        console.print(f"workers: {len(client.scheduler_info()['workers'])}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m unstable_dask.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help)
+        sp.add_argument("--job", help="job file (TOML); default: the embedded default job")
+        sp.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override a job key, e.g. --set round.train_games=4 (repeatable)")
+        return sp
+
+    add("round", "play one generation round of the newest checkpoint and commit it to the lake")
+    add("eval", "play a round of eval games only")
+    sp = add("learn", "one learner update from the lake; writes a new checkpoint")
+    sp.add_argument("--show-sql", action="store_true", help="print the exact sampling query and exit")
+    sp.add_argument("--preview", action="store_true", help="show the sampled batch without training")
+    add("rate", "recompute TrueSkill and Bradley-Terry ratings from every committed game")
+    add("report", "write the HTML report to reports/<run>/index.html")
+    sp = add("loop", "round -> learn -> rate -> report, N times; resumes where it stopped")
+    sp.add_argument("--rounds", type=int, default=3)
+    sp = add("cluster", "start the job's cluster and print its address (or --dry-run the batch script)")
+    sp.add_argument("--dry-run", action="store_true", help="print the batch script that would be submitted")
+    sp = sub.add_parser("sql", help="run a SELECT over the committed lake")
+    sp.add_argument("query")
+    sp.add_argument("--lake", help="lake folder (default: the job's, else ./lake)")
+    sp.add_argument("--job")
+    sp.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    sp.add_argument("--limit", type=int, default=50, help="rows shown in table format")
+    return p
+
+
+COMMANDS = {"round": cmd_round, "eval": lambda a: cmd_round(a, eval_only=True), "learn": cmd_learn,
+            "rate": cmd_rate, "report": cmd_report, "loop": cmd_loop, "sql": cmd_sql, "cluster": cmd_cluster}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("distributed").setLevel(logging.WARNING)
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except JobError as e:
+        err.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        err.print("interrupted; re-run the same command to continue (uncommitted work is redone)")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

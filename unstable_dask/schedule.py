@@ -1,0 +1,183 @@
+"""What a round plays: games (env, seed, who sits where) split into tasks. Pure and deterministic.
+
+Game ids and seeds come from (run seed, round, split, index), so a re-run of a round schedules the
+same games and every task writes the same file names.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import textarena as ta
+
+from . import lake as lk
+from .config import EnvSpec, Job, JobError
+
+BASE_UID = "base"
+RANDOM_UID = "random"
+
+
+@dataclass(frozen=True)
+class Seat:
+    pid: int
+    model_uid: str
+    adapter: Optional[str]  # LoRA adapter dir; None for the base model and the random agent
+    is_learner: bool
+
+    @property
+    def is_random(self) -> bool:
+        return self.model_uid == RANDOM_UID
+
+
+@dataclass(frozen=True)
+class GameSpec:
+    game_id: str
+    split: str  # train | eval
+    env_id: str
+    seed: int
+    template: str
+    seats: tuple[Seat, ...]
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    key: str  # file name of this task's games/turns files
+    run: str
+    round: int
+    games: tuple[GameSpec, ...]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    uid: str
+    adapter: Optional[str]  # absolute path, None for the base model
+    iteration: int
+
+
+def list_checkpoints(lake: str, run: str) -> list[Checkpoint]:
+    """The base model followed by the run's committed checkpoints, oldest first."""
+    out = [Checkpoint(BASE_UID, None, 0)]
+    if lk.visible_files(lake, "checkpoints"):
+        rows = lk.read_table(lake, "checkpoints", "run = ?", [run]).to_pylist()
+        for r in sorted(rows, key=lambda r: r["iteration"]):
+            path = r["adapter_path"]
+            out.append(Checkpoint(r["uid"], str(Path(lake) / path) if path else None, r["iteration"]))
+    return out
+
+
+def _seed(*parts: int) -> int:
+    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def check_envs(job: Job) -> None:
+    """Fail before anything is written if an env id is not registered with TextArena."""
+    from .envs import register_envs
+    register_envs()
+    for key, specs in (("round.train_envs", job.round.train_envs), ("round.eval_envs", job.round.eval_envs)):
+        for i, spec in enumerate(specs):
+            if spec.env_id not in ta.envs.registration.ENV_REGISTRY:
+                raise JobError(f"{job.source}: key '{key}[{i}].env_id' has value {spec.env_id!r}: not a registered "
+                               f"TextArena env (e.g. 'SimpleTak-v0-train', 'KuhnPoker-v0-train')")
+    if job.round.train_games and not job.round.train_envs:
+        raise JobError(f"{job.source}: key 'round.train_envs' is empty but round.train_games = {job.round.train_games}")
+    if job.round.eval_games and not job.round.eval_envs:
+        raise JobError(f"{job.source}: key 'round.eval_envs' is empty but round.eval_games = {job.round.eval_games}")
+
+
+def _ratings_overall(lake: str, run: str) -> dict[str, tuple[float, float]]:
+    if not lk.list_files(lake, "ratings"):
+        return {}
+    rows = lk.query(lake, "SELECT model_uid, mu, sigma FROM ratings WHERE run = ? AND env_id = '*'", [run]).to_pylist()
+    return {r["model_uid"]: (r["mu"], r["sigma"]) for r in rows}
+
+
+class OpponentPool:
+    """Resolves opponent names and samples them with the job's strategy."""
+
+    def __init__(self, job: Job, current: Checkpoint, checkpoints: list[Checkpoint]):
+        self.job, self.current = job, current
+        self.by_uid = {c.uid: c for c in checkpoints}
+        self.lagged = [c for c in checkpoints if c.iteration < current.iteration][-job.round.opponents.lag:]
+        self.ratings = (_ratings_overall(job.run.lake, job.run.name)
+                        if job.round.opponents.strategy == "match-quality" else {})
+
+    def seat(self, name: str, pid: int, key: str) -> Seat:
+        if name == RANDOM_UID:
+            return Seat(pid, RANDOM_UID, None, False)
+        if name in self.by_uid:
+            c = self.by_uid[name]
+            return Seat(pid, c.uid, c.adapter, False)
+        p = Path(name)
+        if (p / "adapter_config.json").is_file():
+            return Seat(pid, p.name, str(p.resolve()), False)
+        raise JobError(f"{self.job.source}: key '{key}' names opponent {name!r}: expected 'random', 'base', "
+                       f"a checkpoint uid of run {self.job.run.name!r}, or a LoRA adapter directory")
+
+    def candidates(self) -> list[str]:
+        strategy = self.job.round.opponents.strategy
+        if strategy == "mirror":
+            return [self.current.uid]
+        if strategy == "fixed":
+            return list(self.job.round.opponents.fixed)
+        if strategy == "lagged":
+            return [c.uid for c in self.lagged] or [self.current.uid]
+        return [c.uid for c in self.by_uid.values()] + list(self.job.round.opponents.fixed)  # match-quality
+
+    def weights(self, names: list[str]) -> np.ndarray:
+        """Match quality with the current checkpoint once ratings exist; uniform until then."""
+        if self.job.round.opponents.strategy != "match-quality" or self.current.uid not in self.ratings:
+            return np.full(len(names), 1.0 / len(names))
+        import trueskill
+        r = self.job.ratings
+        env = trueskill.TrueSkill(mu=r.mu, sigma=r.sigma, beta=r.beta, tau=r.tau, draw_probability=r.draw_probability)
+        me = env.create_rating(*self.ratings[self.current.uid])
+        w = np.array([env.quality_1vs1(me, env.create_rating(*self.ratings.get(n, (r.mu, r.sigma)))) for n in names])
+        return w / w.sum() if w.sum() > 0 else np.full(len(names), 1.0 / len(names))
+
+
+def _pick_env(specs: list[EnvSpec], weighted: bool, rng: np.random.Generator) -> EnvSpec:
+    if weighted:
+        w = np.array([s.weight for s in specs], dtype=float)
+        return specs[rng.choice(len(specs), p=w / w.sum())]
+    return specs[rng.integers(len(specs))]
+
+
+def schedule_games(job: Job, round_: int, current: Checkpoint, checkpoints: list[Checkpoint]) -> list[GameSpec]:
+    pool = OpponentPool(job, current, checkpoints)
+    learner = Seat(0, current.uid, current.adapter, True)
+    games = []
+    for split, count, specs in (("train", job.round.train_games, job.round.train_envs),
+                                ("eval", job.round.eval_games, job.round.eval_envs)):
+        for i in range(count):
+            seed = _seed(job.run.seed, round_, 0 if split == "train" else 1, i)
+            rng = np.random.default_rng(seed)
+            spec = _pick_env(specs, job.round.env_sampling == "weighted", rng)
+            # The learner's seats rotate with the game index so it plays every position.
+            actors = {(i + k) % spec.num_players for k in range(spec.num_actors)}
+            seats = []
+            for pid in range(spec.num_players):
+                if pid in actors:
+                    seats.append(Seat(pid, learner.model_uid, learner.adapter, True))
+                    continue
+                if split == "eval" or spec.opponents:
+                    names, key = spec.opponents or list(job.round.opponents.fixed), f"round.{split}_envs.opponents"
+                    w = np.full(len(names), 1.0 / len(names))
+                else:
+                    names, key = pool.candidates(), "round.opponents"
+                    w = pool.weights(names)
+                seats.append(pool.seat(names[rng.choice(len(names), p=w)], pid, key))
+            games.append(GameSpec(
+                game_id=f"{job.run.name}-r{round_:04d}-{split}-{i:05d}", split=split, env_id=spec.env_id,
+                seed=seed, template=spec.template or job.model.template, seats=tuple(seats)))
+    return games
+
+
+def schedule_round(job: Job, round_: int, current: Checkpoint, checkpoints: list[Checkpoint]) -> list[TaskSpec]:
+    games = schedule_games(job, round_, current, checkpoints)
+    per = job.round.games_per_task
+    n_tasks = math.ceil(len(games) / per)
+    return [TaskSpec(f"task-{t:04d}", job.run.name, round_, tuple(games[t * per:(t + 1) * per]))
+            for t in range(n_tasks)]
