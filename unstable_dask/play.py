@@ -126,7 +126,7 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
                             split=g.spec.split, env_id=g.spec.env_id, seed=g.spec.seed, observation=obs)
             if seat.is_random:
                 move = random_move(g.spec.env_id, obs, g.agent_rng) or "[pass]"
-                base_row.update(prompt=None, completion=None, format_ok=True, prompt_tokens=0,
+                base_row.update(prompt=None, completion=None, format_ok=None, prompt_tokens=0,
                                 completion_tokens=0, truncated=False, logprobs=None, latency_s=0.0)
                 if _step(g, pid, move, base_row) or len(g.turns) >= round_cfg.max_turns:
                     finished.append((g, len(g.turns) >= round_cfg.max_turns and not _state(g.env).done))

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from . import lake as lk
 from .cluster import open_client
 from .config import Job
+from .models import resolve_model
 from .play import play_task
 from .schedule import Checkpoint, check_envs, list_checkpoints, schedule_round
 
@@ -72,6 +73,7 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
     console = console or Console(stderr=True)
     lake, run = job.run.lake, job.run.name
     check_envs(job)
+    resolve_model(job.model.base)  # a missing model fails here, not on every worker; builds builtins once
     last = lk.last_committed_round(lake, run)
     round_ = 0 if last is None else last + 1
     checkpoints = list_checkpoints(lake, run)
@@ -101,8 +103,6 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
 def _run_tasks(client: Client, job: Job, tasks, n_games: int, round_: int, current: Checkpoint,
                console: Console) -> list[dict]:
     lake = str(job.run.lake)
-    if client.dashboard_link:
-        console.print(f"[dim]dashboard: {client.dashboard_link}[/dim]")
     lock = threading.Lock()
     counts = {"games": 0, "tokens": 0}
     t0 = time.perf_counter()
@@ -149,7 +149,7 @@ def round_stats(lake: str, run: str, round_: int) -> list[dict]:
                sum((s.reward = s.best AND s.best > s.worst)::INT) AS wins,
                sum((s.best = s.worst)::INT) AS draws,
                sum((s.reward < s.best)::INT) AS losses,
-               any_value(t.format_ok) AS format_ok, any_value(t.invalid_move) AS invalid_move,
-               any_value(t.completion_tokens) AS mean_completion_tokens
+               any_value(t.format_ok) AS format_ok, any_value(t.invalid_move) AS invalid_rate,
+               any_value(t.completion_tokens) AS mean_tokens
         FROM s LEFT JOIN t USING (split, model_uid)
         GROUP BY ALL ORDER BY s.split DESC, s.model_uid""", [run, round_, run, round_]).to_pylist()

@@ -61,9 +61,9 @@ def _fmt(v: Any) -> str:
 
 
 def cmd_round(args, eval_only: bool = False) -> None:
-    from .round import play_round, round_stats
     overrides = {"round.train_games": 0} if eval_only else {}
     job = load_job(args.job, _parse_set(args.set or []) | overrides)
+    from .round import play_round, round_stats
     s = play_round(job, console=err)
     console.print(f"round {s.round} of run [bold]{s.run}[/bold] played checkpoint [bold]{s.checkpoint_uid}[/bold]: "
                   f"{s.games} games, {s.turns} turns, {s.completion_tokens} completion tokens in {s.wall_s:.1f} s "
