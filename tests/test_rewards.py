@@ -19,10 +19,10 @@ from unstable_dask.rewards import (GroupRelativeAdvantage, NormalizeRewards, Nor
 RUN = "t"
 
 
-def make_lake(root, rounds=3, games=40, seed=0):
+def make_lake(root, rounds=3, games=40, seed=0, first=1):
     """Random committed rounds: mirror and vs-random train games, eval games, two envs."""
     rng = random.Random(seed)
-    for r in range(1, rounds + 1):
+    for r in range(first, first + rounds):
         games_rows, turns_rows = [], []
         ids = [f"g{rng.randrange(10**6):06d}-{i}" for i in range(games)]
         for gid in ids:
@@ -180,6 +180,19 @@ def test_query_is_deterministic_for_a_seed(lake):
     assert a.equals(b)
     c = run_batch_query(lk.connect(lake), batch_query(RUN, rounds, 30, 4, **tr))
     assert a.column("game_id").to_pylist() != c.column("game_id").to_pylist()
+
+
+@pytest.mark.parametrize("unit,cols", [("seat", ("round", "game_id", "pid")), ("group", ("env_id", "seed"))])
+def test_unit_sampling_takes_whole_units(lake, unit, cols):
+    rounds = window_rounds(lake, RUN, "all")
+    con = lk.connect(lake)
+    allrows = run_batch_query(con, batch_query(RUN, rounds, 10**6, 0, [], [], [])).to_pylist()
+    got = run_batch_query(con, batch_query(RUN, rounds, 25, 5, [], [], [], unit=unit)).to_pylist()
+    assert 0 < len(got) <= 25 or len({tuple(r[c] for c in cols) for r in got}) == 1
+    for key in {tuple(r[c] for c in cols) for r in got}:  # every chosen unit comes with all its turns
+        assert sum(tuple(r[c] for c in cols) == key for r in got) == sum(tuple(r[c] for c in cols) == key for r in allrows)
+    again = run_batch_query(con, batch_query(RUN, rounds, 25, 5, [], [], [], unit=unit)).to_pylist()
+    assert got == again
 
 
 def test_parser_builds_objects_without_eval():

@@ -70,11 +70,12 @@ def encode_prompts(tokenizer: Any, prompts: list[str], budget: int) -> list[list
     """
     filler = next(t for t in (tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
                   if t is not None)
-    out = []
-    for text in prompts:
-        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] if text else []
-        out.append(ids[-budget:] or [filler])
-    return out
+    if not prompts:
+        return []
+    # Lone surrogates cannot be UTF-8 encoded and would make the tokenizer raise.
+    texts = [p.encode("utf-8", errors="replace").decode("utf-8") for p in prompts]
+    encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    return [ids[-budget:] or [filler] for ids in encoded]
 
 
 def chat_prompt(tokenizer: Any, user_text: str) -> str:
@@ -173,6 +174,7 @@ class _HFModel:
                 self.model.load_adapter(adapter.path, adapter_name=slot)
             else:
                 self.model = PeftModel.from_pretrained(self.base, adapter.path, adapter_name=slot)
+            self.model.set_adapter(slot)  # before any delete: peft complains when the active one goes
             if known is not None:  # same name, new path: the new weights replace the old ones
                 self.model.delete_adapter(known[0])
             self.adapters[adapter.name] = (slot, adapter.path)

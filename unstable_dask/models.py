@@ -216,7 +216,9 @@ def build_smollm2(out: Path) -> None:
         gguf = ggufs[0]
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # The weights are dequantized now; a leftover quantization_config would make loaders expect GGUF.
+    # The weights are dequantized (plain float tensors) now; a leftover GGUF quantizer or
+    # quantization_config would make save_pretrained refuse and loaders expect GGUF.
+    model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out)

@@ -71,7 +71,9 @@ def tokenize(tokenizer, prompts: Sequence[str], completions: Sequence[str], add_
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """log p(x_t | x_<t) for t = 1..T-1, shape [B, T-1] (float32 whatever the model dtype)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    if logits.dtype in (torch.bfloat16, torch.float16):  # log-softmax in half precision loses the signal
+        logits = logits.float()
     target = input_ids[:, 1:].unsqueeze(-1)
     return logits.gather(-1, target).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
@@ -99,9 +101,10 @@ def update(model, optimizer: torch.optim.Optimizer, tokens: Tokens, advantages: 
     for mb in micro_batches(n, args.mini_batch_size):
         ids = tokens.input_ids[mb].to(device)
         att = tokens.attention_mask[mb].to(device)
-        mask = tokens.loss_mask[mb, 1:].to(device).float()  # shifted: mask[t] scores token t+1
-        adv = advantages[mb].to(device).float()
-        seq = sequence_logprobs(token_logprobs(model, ids, att), mask, args.normalization, args.max_generation_len)
+        logp = token_logprobs(model, ids, att)
+        mask = tokens.loss_mask[mb, 1:].to(device, logp.dtype)  # shifted: mask[t] scores token t+1
+        adv = advantages[mb].to(device, logp.dtype)
+        seq = sequence_logprobs(logp, mask, args.normalization, args.max_generation_len)
         # Sum over the micro-batch divided by the full batch size: the accumulated gradient is
         # exactly that of -mean(A * seq_logp) over the batch, whatever the micro-batch split.
         loss = -(adv * seq).sum() / n

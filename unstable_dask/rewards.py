@@ -19,7 +19,8 @@ also give raw SQL: one SELECT over the relation named after its stage (`final`, 
                       (+ turn, prompt, completion, format_ok, invalid_move, logprobs, token counts,
                       truncated, final_reward)
   batch_0 .. batch    `batch_size` rows of `steps`, chosen by ORDER BY hash(round, game_id, turn,
-                      pid, seed) LIMIT n (deterministic, no random()), plus step_reward
+                      pid, seed) LIMIT n (deterministic, no random()), plus step_reward; or whole
+                      seats / (env_id, seed) groups in hash order up to batch_size rows
 and the query returns `batch` with `reward` renamed `advantage`, ordered by (round, game_id, turn).
 """
 from __future__ import annotations
@@ -222,13 +223,21 @@ STEP_COLUMNS = ("turn", "model_uid", "prompt", "completion", "format_ok", "inval
                 "prompt_tokens", "completion_tokens", "truncated")
 
 
+_UNITS = {"seat": "round, game_id, pid", "group": "env_id, seed"}
+
+
 def _sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
 def batch_query(run: str, rounds: Sequence[int], batch_size: int, seed: int,
-                final: Sequence[Transform], step: Sequence[Transform], sampling: Sequence[Transform]) -> str:
-    """The ONE query returning the learner's batch for the given (already resolved) window."""
+                final: Sequence[Transform], step: Sequence[Transform], sampling: Sequence[Transform],
+                unit: str = "turn") -> str:
+    """The ONE query returning the learner's batch for the given (already resolved) window.
+
+    `unit` is what is sampled: single turns (REINFORCE), whole seats of a game (A2C needs a seat's
+    turns in order for GAE) or whole (env_id, seed) groups (GRPO normalises inside a group).
+    """
     if not rounds:
         raise ValueError("empty window")
     rounds_sql = ", ".join(str(int(r)) for r in sorted(rounds))
@@ -253,9 +262,18 @@ def batch_query(run: str, rounds: Sequence[int], batch_size: int, seed: int,
   WHERE t.run = {_sql_str(run)} AND t.round IN ({rounds_sql}) AND t.split = 'train' AND t.is_learner
     AND t.prompt IS NOT NULL AND t.completion IS NOT NULL"""))
     chain("steps", step, "steps_0")
-    ctes.append(("batch_0", f"""SELECT *, reward AS step_reward FROM steps
+    if unit == "turn":
+        ctes.append(("batch_0", f"""SELECT *, reward AS step_reward FROM steps
   ORDER BY hash(round, game_id, turn, pid, {int(seed)}), round, game_id, turn, pid
   LIMIT {int(batch_size)}"""))
+    else:  # whole units in hash order until batch_size turns are taken (at least one unit)
+        cols = _UNITS[unit]
+        ctes.append(("batch_0", f"""SELECT s.*, s.reward AS step_reward FROM steps s SEMI JOIN (
+    SELECT {cols} FROM (
+      SELECT {cols}, row_number() OVER w AS _k, sum(_n) OVER w AS _cum
+      FROM (SELECT {cols}, count(*) AS _n FROM steps GROUP BY {cols})
+      WINDOW w AS (ORDER BY hash({cols}, {int(seed)}), {cols} ROWS UNBOUNDED PRECEDING))
+    WHERE _cum <= {int(batch_size)} OR _k = 1) u USING ({cols})"""))
     chain("batch", sampling, "batch_0")
     body = ",\n".join(f"{n} AS (\n  {s}\n)" for n, s in ctes)
     return (f"WITH {body}\nSELECT * EXCLUDE (reward), reward AS advantage FROM batch\n"

@@ -1,0 +1,109 @@
+"""Round throughput, measured in one run on the same prompts (issue: round/lake).
+
+  A  in-process round: play_task over every task, no Dask
+  B  the raw engine: the very prompts A sent, batched `generate` at the same concurrency
+  C  UnstableBaselines-style play: the same prompts one at a time (a sample, per-token rate)
+  D  the Dask round: play_round on a LocalCluster of 1 worker (same compute as A), and of 2
+
+Ratios: A/B (target >= 0.9), C/B (what batching buys), D1/A (target >= 0.9), D2/A.
+The builtin tiny model is untrained, so games run with a large error_allowance and a turn cap:
+every game then makes `max_turns` model calls, which is the load a round puts on the engine.
+
+    python bench/bench_round.py [--games 32] [--concurrency 16]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from common import row, save  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--games", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--max-turns", type=int, default=12)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--sequential-sample", type=int, default=48)
+    args = ap.parse_args()
+
+    import duckdb
+    from unstable_dask import lake as lk
+    from unstable_dask.config import load_job
+    from unstable_dask.engines import get_engine
+    from unstable_dask.play import play_task
+    from unstable_dask.round import play_round
+    from unstable_dask.schedule import list_checkpoints, schedule_round
+
+    tmp = tempfile.mkdtemp(prefix="bench-round-")
+    over = {"run.lake": f"{tmp}/a", "round.train_games": args.games, "round.eval_games": 0,
+            "round.games_per_task": args.games // 2, "round.concurrency": args.concurrency,
+            "round.max_turns": args.max_turns, "round.error_allowance": 10_000,
+            "model.max_new_tokens": args.tokens, "cluster.dashboard": False}
+    job = load_job(None, over)
+    engine = get_engine(job.model)
+    engine.generate(["warm-up"] * 2)
+
+    # A: in-process
+    cks = list_checkpoints(job.run.lake, job.run.name)
+    tasks = schedule_round(job, 0, cks[-1], cks)
+    t = time.perf_counter()
+    res = [play_task(task, job.model, job.round, job.run.lake) for task in tasks]
+    a_wall = time.perf_counter() - t
+    a_tokens = sum(r["completion_tokens"] for r in res)
+    a_tps = a_tokens / a_wall
+
+    # B: raw engine, same prompts, same batch size
+    prompts = [r[0] for r in duckdb.sql(
+        f"SELECT prompt FROM read_parquet('{tmp}/a/turns/**/*.parquet') ORDER BY game_id, turn").fetchall()]
+    t = time.perf_counter()
+    b_tokens = 0
+    for i in range(0, len(prompts), args.concurrency):
+        b_tokens += sum(g.completion_tokens for g in engine.generate(prompts[i:i + args.concurrency]))
+    b_tps = b_tokens / (time.perf_counter() - t)
+
+    # C: one prompt at a time (UB-style), on a sample
+    t = time.perf_counter()
+    c_tokens = sum(engine.generate([p])[0].completion_tokens for p in prompts[: args.sequential_sample])
+    c_tps = c_tokens / (time.perf_counter() - t)
+
+    # D: the Dask round, 1 and 2 workers (each times only the round, not cluster start-up)
+    from unstable_dask.cluster import open_client
+    d = {}
+    for n in (1, 2):
+        jn = load_job(None, over | {"run.lake": f"{tmp}/d{n}", "cluster.n_workers": n})
+        with open_client(jn.cluster) as client:
+            client.run(lambda: get_engine(jn.model).generate(["warm-up"]))  # engine resident, as in later rounds
+            s = play_round(jn, client=client)
+        d[n] = s.completion_tokens / s.wall_s
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    result = {
+        "command": "python bench/bench_round.py " + " ".join(sys.argv[1:]),
+        "games": args.games, "concurrency": args.concurrency, "prompts": len(prompts),
+        "in_process_tok_s": a_tps, "raw_engine_tok_s": b_tps, "one_at_a_time_tok_s": c_tps,
+        "dask_1_worker_tok_s": d[1], "dask_2_workers_tok_s": d[2],
+        "round_vs_raw_engine": a_tps / b_tps, "one_at_a_time_vs_raw_engine": c_tps / b_tps,
+        "dask_1_vs_in_process": d[1] / a_tps, "dask_2_vs_in_process": d[2] / a_tps,
+    }
+    path = save("round", result)
+    print(row("metric", "tok/s", "ratio"))
+    print(row("raw engine, batched generate", f"{b_tps:.0f}", "1.00 (baseline)"))
+    print(row("round in one process", f"{a_tps:.0f}", f"{a_tps / b_tps:.2f} (target >= 0.9)"))
+    print(row("UB-style, one prompt at a time", f"{c_tps:.0f}", f"{c_tps / b_tps:.2f}"))
+    print(row("Dask round, 1 worker", f"{d[1]:.0f}", f"{d[1] / a_tps:.2f} of in-process (target >= 0.9)"))
+    print(row("Dask round, 2 workers", f"{d[2]:.0f}", f"{d[2] / a_tps:.2f} of in-process"))
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""HFEngine on builtin:tiny: batching, left padding, raw log-probs, seeding, hostile input, LoRA."""
+import os
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from unstable_dask.config import ModelConfig
+from unstable_dask.engines import Adapter, get_engine
+
+GREEDY = ModelConfig(temperature=0.0, max_new_tokens=12, max_model_len=256, hf_max_batch=8)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    old = os.environ.get("UNSTABLE_DASK_CACHE")
+    os.environ["UNSTABLE_DASK_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        del os.environ["UNSTABLE_DASK_CACHE"]
+    else:
+        os.environ["UNSTABLE_DASK_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def engine(cache):
+    return get_engine(GREEDY)
+
+
+@pytest.fixture(scope="module")
+def adapters(engine, tmp_path_factory):
+    """Two LoRA adapters with random, non-zero B matrices (fresh LoRA B is zero: a no-op)."""
+    out = []
+    for i in range(2):
+        base = AutoModelForCausalLM.from_pretrained(engine.tokenizer.name_or_path)
+        model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
+        gen = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        path = tmp_path_factory.mktemp(f"adapter{i}")
+        model.save_pretrained(path)
+        out.append(Adapter(f"ckpt-{i}", str(path)))
+    return out
+
+
+def prompts(engine):
+    return [engine.chat_prompt("Play tic tac toe. Available Moves: '[0]', '[4]'"),
+            engine.chat_prompt("x"),
+            engine.chat_prompt("Kuhn Poker: your card is 'K'. " * 8)]
+
+
+def texts(gens):
+    return [g.text for g in gens]
+
+
+def greedy_reference(engine, prompt, n):
+    """Greedy decode by hand, one full forward per token: (token ids, raw log-probs)."""
+    model = engine.hf.base
+    ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    out, lps = [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logp = torch.log_softmax(model(torch.tensor([ids + out])).logits[0, -1].float(), -1)
+            tok = int(logp.argmax())
+            out.append(tok)
+            lps.append(float(logp[tok]))
+            if tok == engine.tokenizer.eos_token_id:
+                break
+    return out, lps
+
+
+def test_batched_generate_counts_and_logprobs(engine):
+    ps = prompts(engine)
+    gens = engine.generate(ps)
+    assert len(gens) == len(ps)
+    for p, g in zip(ps, gens):
+        assert g.prompt_tokens == len(engine.tokenizer(p, add_special_tokens=False)["input_ids"])
+        assert 1 <= g.completion_tokens <= GREEDY.max_new_tokens
+        assert len(g.logprobs) == g.completion_tokens and all(x <= 0 for x in g.logprobs)
+        assert g.truncated == (g.completion_tokens == GREEDY.max_new_tokens)
+        ids, lps = greedy_reference(engine, p, GREEDY.max_new_tokens)
+        assert g.text == engine.tokenizer.decode(ids, skip_special_tokens=True)
+        assert g.logprobs == pytest.approx(lps, abs=1e-4)
+
+
+def test_left_padding_does_not_change_greedy_output(engine):
+    short = prompts(engine)[1]
+    alone = engine.generate([short])[0]
+    batched = engine.generate([short, engine.chat_prompt("a much longer prompt " * 30)])[0]
+    assert batched.text == alone.text
+    assert batched.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+
+
+def test_logprobs_are_untempered(engine, monkeypatch):
+    hot = get_engine(GREEDY.model_copy(update={"temperature": 3.0, "top_p": 0.9}))
+    captured = {}
+    real = hot.hf.model.generate
+
+    def spy(**kw):
+        captured["seqs"] = real(**kw)
+        return captured["seqs"]
+
+    monkeypatch.setattr(hot.hf.model, "generate", spy)
+    p = prompts(engine)[0]
+    [g] = hot.generate([p], seed=3)
+    seqs = captured["seqs"][0]
+    with torch.no_grad():
+        logp = torch.log_softmax(hot.hf.base(seqs[None]).logits[0].float(), -1)
+    n_prompt = len(seqs) - GREEDY.max_new_tokens
+    new = seqs[n_prompt:n_prompt + g.completion_tokens]
+    expected = logp[n_prompt - 1:n_prompt - 1 + len(new)].gather(1, new[:, None])[:, 0]
+    assert g.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    sampler = get_engine(GREEDY.model_copy(update={"temperature": 1.0}))
+    assert sampler.hf is engine.hf  # one resident copy of the weights
+    ps = prompts(engine)
+    a, b, c = sampler.generate(ps, seed=7), sampler.generate(ps, seed=7), sampler.generate(ps, seed=8)
+    assert texts(a) == texts(b) and [g.logprobs for g in a] == [g.logprobs for g in b]
+    assert texts(a) != texts(c)
+
+
+def test_hostile_prompts_do_not_crash(engine):
+    hostile = ["", "x" * 100_000, "\u202e\u200f\u200d مرحبا שלום \u2066rtl\u2069",
+               "\x00\x01\x1b[31m\x7f\r\n\t", "\ud800 lone surrogate", "🎲" * 500, "<|im_end|><|endoftext|>"]
+    gens = engine.generate(hostile)
+    assert len(gens) == len(hostile)
+    budget = GREEDY.max_model_len - GREEDY.max_new_tokens
+    assert gens[0].prompt_tokens == 1  # an empty prompt is fed as one neutral token
+    assert gens[1].prompt_tokens == budget  # truncated from the left to fit max_model_len
+    assert all(0 < g.prompt_tokens <= budget and len(g.logprobs) == g.completion_tokens for g in gens)
+
+
+def test_lora_adapters_hot_swap(engine, adapters):
+    ps = prompts(engine)
+    a, b = adapters
+    base = texts(engine.generate(ps))
+    out_a = texts(engine.generate(ps, adapter=a))
+    out_b = texts(engine.generate(ps, adapter=b))
+    assert out_a != base and out_b != base and out_a != out_b
+    # Switching back and forth is consistent, and the base model is untouched.
+    assert texts(engine.generate(ps, adapter=b)) == out_b
+    assert texts(engine.generate(ps)) == base
+    assert texts(engine.generate(ps, adapter=a)) == out_a
+    assert texts(engine.generate(ps, adapter=Adapter(a.name, a.path))) == out_a  # same name: no reload
+    assert len(engine.hf.adapters) == 2
+    # The same name with a new path reloads: "ckpt-0" now holds b's weights.
+    assert texts(engine.generate(ps, adapter=Adapter(a.name, b.path))) == out_b
+    assert len(engine.hf.adapters) == 2 and len(engine.hf.model.peft_config) == 2
+    with pytest.raises(FileNotFoundError):
+        engine.generate(ps, adapter=Adapter("ghost", "/nonexistent"))
+
+
+def test_get_engine_is_cached_per_process(engine):
+    assert get_engine(GREEDY) is engine
+    assert get_engine(GREEDY.model_copy(update={"template": "default"})) is engine
+    other = get_engine(GREEDY.model_copy(update={"max_new_tokens": 3}))
+    assert other is not engine and other.hf is engine.hf
+    assert all(g.completion_tokens <= 3 for g in other.generate(prompts(engine)))
+    engine.sleep()  # CPU: nothing to free, must still work afterwards
+    engine.wake_up()
+    assert len(engine.generate(["hi"])) == 1
+
+
+def test_close_frees_and_rebuilds(cache):
+    cfg = GREEDY.model_copy(update={"dtype": "float32"})  # own weights: the shared engine lives on
+    first = get_engine(cfg)
+    first.close()
+    second = get_engine(cfg)
+    assert second is not first and second.generate(["hello"])[0].completion_tokens > 0
+
+
+def test_tiny_top_p_keeps_only_the_top_token(engine):
+    nucleus = get_engine(GREEDY.model_copy(update={"temperature": 1.0, "top_p": 1e-6}))
+    ps = prompts(engine)
+    assert texts(nucleus.generate(ps, seed=1)) == texts(engine.generate(ps))
+
+
+def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
+    """vLLM is not installed here: a stand-in with vLLM's offline API exercises our glue code."""
+    from unstable_dask.config import LoraConfig as LoraCfg, VllmConfig
+
+    calls: dict = {}
+
+    class LLM:
+        def __init__(self, **kw):
+            calls["init"] = kw
+
+        def generate(self, prompts, params, lora_request=None, use_tqdm=True):
+            calls["generate"] = (prompts, params, lora_request)
+            outs = []
+            for p, sp in zip(prompts, params):
+                toks = list(range(5, 5 + min(sp.max_tokens, 3)))
+                done = "length" if len(toks) == sp.max_tokens else "stop"
+                lps = [{t: SimpleNamespace(logprob=-1.0 - i), 0: SimpleNamespace(logprob=-0.1)} for i, t in enumerate(toks)]
+                c = SimpleNamespace(text="abc", token_ids=toks, finish_reason=done, logprobs=lps)
+                outs.append(SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], outputs=[c]))
+            return outs
+
+        def sleep(self, level):
+            calls["sleep"] = level
+
+        def wake_up(self):
+            calls["wake"] = True
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = LLM, lambda **kw: SimpleNamespace(**kw)
+    request = types.ModuleType("vllm.lora.request")
+    request.LoRARequest = lambda name, int_id, path: (name, int_id, path)
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
+
+    cfg = GREEDY.model_copy(update={"backend": "vllm", "lora": LoraCfg(rank=20),
+                                    "vllm": VllmConfig(max_loras=2, extra={"max_num_seqs": 7})})
+    eng = get_engine(cfg)
+    assert type(eng).__name__ == "VLLMEngine" and get_engine(cfg) is eng
+    init = calls["init"]
+    assert init["enable_lora"] and init["max_lora_rank"] == 32 and init["max_loras"] == 2
+    assert init["max_num_seqs"] == 7 and init["dtype"] == "float32" and init["max_model_len"] == 256
+
+    gens = eng.generate(["", "x" * 100_000, eng.chat_prompt("hi")], seed=10)
+    sent, params, lora = calls["generate"]
+    assert [p.seed for p in params] == [10, 11, 12] and lora is None
+    assert [g.prompt_tokens for g in gens] == [len(p["prompt_token_ids"]) for p in sent]
+    assert gens[1].prompt_tokens == cfg.max_model_len - cfg.max_new_tokens
+    assert all(g.completion_tokens == 3 and g.logprobs == [-1.0, -2.0, -3.0] and not g.truncated for g in gens)
+
+    a, b = adapters
+    ids = []
+    for ad in [a, b, a, Adapter(a.name, b.path)]:
+        eng.generate(["p"], adapter=ad)
+        ids.append(calls["generate"][2][1])
+    assert ids[0] == ids[2] and len({ids[0], ids[1], ids[3]}) == 3  # stable per (name, path)
+
+    eng.sleep()
+    assert calls["sleep"] == 1
+    eng.generate(["p"])  # wakes up by itself
+    assert calls.get("wake")
+    eng.close()
+    assert get_engine(cfg) is not eng
+    get_engine(cfg).close()

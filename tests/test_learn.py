@@ -1,0 +1,87 @@
+"""The learn job: adapters round-trip through peft, training resumes exactly, commits are ordered."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_rewards import RUN, make_lake
+from unstable_dask import lake as lk
+from unstable_dask.config import JobError, validate_job
+from unstable_dask.learn import build_query, checkpoint_rows, learn, plan
+from unstable_dask.rewards import run_batch_query
+
+
+def job_for(lake, **learn):
+    cfg = dict(batch_size=8, mini_batch_size=4, lr=1e-3, gradient_checkpointing=False) | learn
+    return validate_job({"run": {"name": RUN, "lake": str(lake)}, "learn": cfg,
+                         "model": {"lora": {"rank": 4, "alpha": 8}, "max_new_tokens": 8}})
+
+
+def lora_state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def test_learn_resumes_exactly_and_adapter_round_trips(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from unstable_dask.models import resolve_model
+    from unstable_dask.trainer import Trainer
+
+    lake = make_lake(tmp_path / "lake", rounds=1, games=12)
+    job = job_for(lake)
+    with pytest.raises(JobError):
+        learn(job_for(tmp_path / "empty"))
+    sql = learn(job, show_sql=True)
+    assert sql.startswith("WITH") and "hash(" in sql
+    assert "rows)" in learn(job, preview=True)
+    p1 = plan(job)
+    r1 = learn(job)
+    assert (r1.iteration, r1.uid, r1.rounds) == (1, "ckpt-1", [1])
+    assert learn(job).skipped  # the round is trained on: no second checkpoint
+    make_lake(lake, rounds=1, games=12, seed=1, first=2)
+    p2 = plan(job)
+    r2 = learn(job)  # a fresh Trainer: loads ckpt-1's adapter and AdamW state from disk
+    assert (r2.iteration, r2.rounds, p2.parent_uid) == (2, [2], "ckpt-1")
+
+    # Reference: the same two updates in one process, never saved and reloaded.
+    ref = Trainer(job, None, torch.device("cpu"))
+    for p in (p1, p2):
+        ref.step(run_batch_query(lk.connect(lake), build_query(job, p)))
+    base = AutoModelForCausalLM.from_pretrained(resolve_model("builtin:tiny"), dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, str(lake / r2.adapter_path))
+    got, want = lora_state(loaded), lora_state(ref.policy)
+    assert got.keys() == want.keys() and got
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
+    ids = torch.tensor([[5, 17, 300, 42, 7]])
+    ref.policy.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, ref.policy(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+    ckpts = checkpoint_rows(lake, RUN)
+    assert [c["uid"] for c in ckpts] == ["ckpt-1", "ckpt-2"] and ckpts[1]["parent_uid"] == "ckpt-1"
+    steps = lk.read_table(lake, "learner_steps").to_pylist()
+    assert [s["iteration"] for s in steps] == [1, 2]
+    assert all(s["samples"] == 8 and s["tokens"] > 0 and s["grad_norm"] > 0 for s in steps)
+
+
+@pytest.mark.parametrize("algorithm", ["a2c", "grpo"])
+def test_other_algorithms_train_and_resume(tmp_path, algorithm):
+    lake = make_lake(tmp_path / "lake", rounds=1, games=12)
+    job = job_for(lake, algorithm=algorithm, kl_coef=0.1 if algorithm == "grpo" else 0.0, updates_per_round=2)
+    r1 = learn(job)
+    assert len(r1.steps) == 2 and all(torch.isfinite(torch.tensor(s["loss"])) for s in r1.steps)
+    if algorithm == "a2c":
+        assert (lake / r1.adapter_path / "critic" / "value_head.pt").is_file()
+        assert r1.steps[0]["value_loss"] > 0
+    make_lake(lake, rounds=1, games=12, seed=1, first=2)
+    assert learn(job).iteration == 2
+
+
+def test_uncommitted_learner_output_is_invisible(tmp_path):
+    lake = make_lake(tmp_path / "lake", rounds=1, games=12)
+    # Steps written but no checkpoint row (a learn job killed before its commit): nothing visible.
+    lk.write_table(lake, "learner_steps", RUN, 1, "steps", [{"update": 0, "loss": 1.0}])
+    assert lk.visible_files(lake, "learner_steps") == []
+    assert plan(job_for(lake)).iteration == 1

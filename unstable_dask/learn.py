@@ -1,0 +1,220 @@
+"""The learn job: one SQL query picks a batch, an algorithm updates the LoRA adapter, the lake
+gets a new checkpoint.
+
+Order of writes (the checkpoints row is the commit):
+  1. adapter (+ optimizer state, + critic for A2C) to <lake>/adapters/<run>/ckpt-<k>/ via a temp dir
+  2. learner_steps rows of iteration k (invisible until 3 exists)
+  3. the checkpoints row of iteration k
+A learn job killed anywhere before 3 leaves nothing visible and is simply run again. A learn job
+for a round already trained on (the newest checkpoint lists it) does nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+import pyarrow as pa
+
+from . import lake as lk
+from .config import Job, JobError
+from .rewards import GroupRelativeAdvantage, batch_query, parse_transforms, run_batch_query, window_rounds
+
+LEARNER_STEPS = pa.schema([
+    ("update", pa.int32()), ("algorithm", pa.string()), ("checkpoint_uid", pa.string()),
+    ("loss", pa.float64()), ("pg_loss", pa.float64()), ("value_loss", pa.float64()), ("value_mae", pa.float64()),
+    ("kl", pa.float64()), ("clip_frac", pa.float64()), ("logp_mean", pa.float64()),
+    ("grad_norm", pa.float64()), ("critic_grad_norm", pa.float64()), ("lr", pa.float64()), ("critic_lr", pa.float64()),
+    ("samples", pa.int64()), ("tokens", pa.int64()), ("train_tokens", pa.int64()), ("tokens_per_s", pa.float64()),
+    ("step_time_s", pa.float64()), ("mean_train_len", pa.float64()), ("pct_truncated", pa.float64()),
+    ("reward_mean", pa.float64()), ("step_reward_mean", pa.float64()),
+    ("advantage_mean", pa.float64()), ("advantage_std", pa.float64()), ("batch_seed", pa.int64()),
+    ("rounds", pa.list_(pa.int64())), ("device", pa.string()),
+    ("cuda_mem_allocated", pa.int64()), ("cuda_mem_reserved", pa.int64()), ("cuda_mem_peak", pa.int64()),
+    ("created_at", pa.timestamp("us", tz="UTC")),
+])
+UNIT = {"reinforce": "turn", "a2c": "seat", "grpo": "group"}
+
+
+@dataclass
+class Plan:
+    run: str
+    iteration: int
+    uid: str
+    parent_uid: str
+    parent_adapter: Optional[str]  # absolute dir, None for the base model
+    rounds: list[int]
+
+
+@dataclass
+class LearnResult:
+    run: str
+    iteration: int
+    uid: str
+    adapter_path: Optional[str]
+    rounds: list[int]
+    steps: list[dict] = field(default_factory=list)
+    skipped: bool = False
+
+    def __str__(self) -> str:
+        if self.skipped:
+            return f"learn: {self.uid} already trained on rounds {self.rounds}; nothing to do"
+        last = self.steps[-1] if self.steps else {}
+        return (f"learn: {self.uid} (rounds {self.rounds}, {len(self.steps)} update(s), loss {last.get('loss', 0):.4f}, "
+                f"{last.get('tokens_per_s', 0):.0f} tok/s) -> {self.adapter_path}")
+
+
+def checkpoint_rows(lake: Union[str, Path], run: str) -> list[dict]:
+    if not lk.visible_files(lake, "checkpoints"):
+        return []
+    return sorted(lk.read_table(lake, "checkpoints", "run = ?", [run]).to_pylist(), key=lambda r: r["iteration"])
+
+
+def plan(job: Job) -> Optional[Plan]:
+    """What the next learn job trains: None when the newest committed round is already trained on."""
+    lake, run = job.run.lake, job.run.name
+    rounds = window_rounds(lake, run, job.learn.window)
+    if not rounds:
+        raise JobError(f"{job.source}: run '{run}' has no committed round in lake '{lake}'; play a round first")
+    ckpts = checkpoint_rows(lake, run)
+    parent = ckpts[-1] if ckpts else None
+    if parent is not None and max(parent["rounds_trained"] or [-1]) >= rounds[-1]:
+        return None
+    k = (parent["iteration"] if parent else 0) + 1
+    adapter = str(Path(lake) / parent["adapter_path"]) if parent and parent["adapter_path"] else None
+    return Plan(run, k, f"ckpt-{k}", parent["uid"] if parent else "base", adapter, rounds)
+
+
+def batch_seed(job: Job, iteration: int, update: int) -> int:
+    blob = f"{job.run.seed}/{job.run.name}/{iteration}/{update}".encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:4], "little") >> 1
+
+
+def build_query(job: Job, p: Plan, update: int = 0, con=None) -> str:
+    cfg = job.learn
+    final = parse_transforms(cfg.final_transforms, "final", con)
+    step = parse_transforms(cfg.step_transforms, "step", con)
+    sampling = parse_transforms(cfg.sampling_transforms, "sampling", con)
+    if cfg.algorithm == "grpo" and not any(isinstance(t, GroupRelativeAdvantage) for t in sampling):
+        sampling.append(GroupRelativeAdvantage())  # GRPO's advantage is group-relative by definition
+    return batch_query(p.run, p.rounds, cfg.batch_size, batch_seed(job, p.iteration, update),
+                       final, step, sampling, unit=UNIT[cfg.algorithm])
+
+
+def resolve_device(job: Job) -> str:
+    if job.learn.device != "auto":
+        return job.learn.device
+    from .cluster import task_resources, visible_gpus
+    return "cuda" if task_resources(job.cluster) or visible_gpus() else "cpu"
+
+
+def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None) -> Union[LearnResult, str]:
+    """Train the next checkpoint of job.run.name on its sampling window (the Python twin of `run learn`).
+
+    show_sql: return the exact batch query of the first update; preview: return the batch as text.
+    On a GPU cluster the update runs as a Dask task on a GPU=1 worker (`client`, or one opened
+    from job.cluster); otherwise in this process.
+    """
+    p = plan(job)
+    if p is None:
+        ck = checkpoint_rows(job.run.lake, job.run.name)[-1]
+        if show_sql or preview:
+            raise JobError(f"{job.source}: {ck['uid']} already trained on the newest round; nothing to show")
+        return LearnResult(job.run.name, ck["iteration"], ck["uid"], ck["adapter_path"], ck["rounds_trained"], skipped=True)
+    con = lk.connect(job.run.lake)
+    try:
+        sql = build_query(job, p, 0, con)
+        if show_sql:
+            return sql
+        if preview:
+            table = run_batch_query(con, sql)
+            cols = ["round", "game_id", "turn", "pid", "env_id", "env_reward", "final_reward", "step_reward", "advantage"]
+            return table.select(cols).to_pandas().to_string(max_rows=40) + f"\n({table.num_rows} rows)"
+    finally:
+        con.close()
+    device = resolve_device(job)
+    from .cluster import task_resources
+    if device == "cuda" and task_resources(job.cluster, client):
+        def submit(c):  # the GPU lives on a worker: run there, beside that worker's resident engine
+            return c.submit(_train, job, p, device, resources={"GPU": 1}, pure=False,
+                            key=f"learn-{p.run}-{p.uid}-{time.time_ns()}").result()
+        if client is not None:
+            return submit(client)
+        from .cluster import open_client
+        with open_client(job.cluster) as own:
+            return submit(own)
+    return _train(job, p, device)
+
+
+def _resident_engines() -> list:
+    """Engines this process keeps resident (a GPU worker's vLLM), to put to sleep during training."""
+    try:
+        from . import engines
+    except ImportError:
+        return []
+    return list(getattr(engines, "_ENGINES", {}).values())
+
+
+def _train(job: Job, p: Plan, device: str) -> LearnResult:
+    import torch
+
+    from .trainer import Trainer
+    engines = _resident_engines() if device == "cuda" else []
+    for e in engines:  # single-GPU mode: free the engine's GPU memory for the update
+        e.sleep()
+    try:
+        trainer = Trainer(job, p.parent_adapter, torch.device(device))
+        steps = []
+        for u in range(job.learn.updates_per_round):
+            con = lk.connect(job.run.lake)
+            try:
+                sql = build_query(job, p, u, con)
+                batch = run_batch_query(con, sql)
+            finally:
+                con.close()
+            if batch.num_rows == 0:
+                raise JobError(f"{job.source}: no learner turns to train on in rounds {p.rounds} of run '{p.run}' "
+                               "(learn.window, or games without learner seats)")
+            m = trainer.step(batch)
+            m.update(update=u, algorithm=job.learn.algorithm, checkpoint_uid=p.uid, batch_seed=batch_seed(job, p.iteration, u),
+                     rounds=p.rounds, device=device, created_at=lk.now(), **_cuda_memory(device))
+            steps.append(m)
+        rel = f"adapters/{p.run}/{p.uid}"
+        _save_atomic(trainer, Path(job.run.lake) / rel)
+    finally:
+        for e in engines:
+            e.wake_up()
+    rows = [{k: s.get(k) for k in LEARNER_STEPS.names} for s in steps]
+    lk.write_table(job.run.lake, "learner_steps", p.run, p.iteration, "steps", pa.Table.from_pylist(rows, schema=LEARNER_STEPS))
+    lk.write_table(job.run.lake, "checkpoints", p.run, p.iteration, "checkpoint", [dict(
+        uid=p.uid, parent_uid=p.parent_uid, adapter_path=rel, base_model=job.model.base, rounds_trained=p.rounds,
+        algorithm=job.learn.algorithm, created_at=lk.now())])
+    return LearnResult(p.run, p.iteration, p.uid, rel, p.rounds, steps)
+
+
+def _save_atomic(trainer, final: Path) -> None:
+    """Adapter dir written under a temp name and renamed: a reader never sees half an adapter."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        trainer.save(tmp)
+        (tmp / "trainer_state.json").write_text(json.dumps({"updates": trainer.updates}))
+        if final.exists():  # left by an attempt whose checkpoint row was never written
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _cuda_memory(device: str) -> dict:
+    if device != "cuda":
+        return {}
+    import torch
+    return dict(cuda_mem_allocated=torch.cuda.memory_allocated(), cuda_mem_reserved=torch.cuda.memory_reserved(),
+                cuda_mem_peak=torch.cuda.max_memory_allocated())

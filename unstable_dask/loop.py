@@ -1,0 +1,60 @@
+"""The loop job: round -> learn -> rate -> report, until the run has `rounds` trained rounds.
+
+Everything it needs to know comes from the lake: the last committed round and whether the newest
+checkpoint already trained on it. A loop killed anywhere and started again first finishes the
+learner iteration of a committed but untrained round, then plays on: nothing is lost (committed
+rounds and checkpoints stay) and nothing is duplicated (a round is committed once, a round already
+trained on is not trained again, an uncommitted round or checkpoint is redone from scratch).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+from rich.console import Console
+
+from . import lake as lk
+from .cluster import open_client
+from .config import Job, JobError
+from .learn import learn, plan
+
+
+def _after_learn(job: Job, console: Console) -> None:
+    """Rate and report when those jobs exist in this build (they only read the lake)."""
+    for module, fn in (("ratings", "rate"), ("report", "report")):
+        try:
+            mod = importlib.import_module(f"unstable_dask.{module}")
+        except ModuleNotFoundError:
+            continue
+        if hasattr(mod, fn):
+            out = getattr(mod, fn)(job)
+            console.print(f"{fn}: {out}")
+
+
+def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = True) -> list:
+    """Play and train until run `job.run.name` has `rounds` rounds (0 .. rounds-1), each trained on.
+
+    `rounds` is the run's total, so re-running the same command after a kill finishes the job.
+    Returns the LearnResults of the learner iterations this call made.
+    """
+    from .round import play_round
+    if rounds < 1:
+        raise JobError(f"{job.source}: --rounds must be >= 1, got {rounds}")
+    console = console or Console(stderr=True)
+    lake, run = job.run.lake, job.run.name
+    results = []
+    with open_client(job.cluster) as client:  # one cluster for the whole loop: engines stay resident
+        while True:
+            last = lk.last_committed_round(lake, run)
+            if last is not None and plan(job) is not None:  # committed but not yet trained on
+                res = learn(job, client=client)
+                console.print(str(res))
+                results.append(res)
+                if rate:
+                    _after_learn(job, console)
+            played = 0 if last is None else last + 1
+            if played >= rounds:
+                return results
+            summary = play_round(job, client=client, console=console)
+            console.print(f"round {summary.round}: {summary.games} games, {summary.turns} turns "
+                          f"({summary.checkpoint_uid}, {summary.tokens_per_s:.0f} tok/s)")
