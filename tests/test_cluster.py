@@ -57,11 +57,9 @@ def test_local_gpu_without_gpus_is_a_user_error():
         local_gpu_workers(ClusterConfig(kind="local-gpu"), [])
 
 
-def _worker_view():
+def _worker_view(dask_worker):
     import multiprocessing
-
-    from distributed import get_worker
-    w = get_worker()
+    w = dask_worker
     return {"cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "daemon": multiprocessing.current_process().daemon,
             "memory_limit": w.memory_manager.memory_limit, "resources": dict(w.state.total_resources)}
 

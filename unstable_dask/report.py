@@ -212,7 +212,7 @@ def _samples(con, run: str) -> list[dict]:
 
 
 def _env() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=False,
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters["num"] = lambda v, fmt="{:.2f}": "" if v is None else fmt.format(v)
     # Our own static files (not data) are inlined so the page works from file:// with no requests.

@@ -6,6 +6,7 @@ files of the earlier attempt are cleared and the same games (same ids and seeds)
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -18,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import lake as lk
 from .cluster import open_client
-from .config import Job
+from .config import Job, JobError
 from .models import resolve_model
 from .play import play_task
 from .schedule import Checkpoint, check_envs, list_checkpoints, schedule_round
@@ -41,6 +42,16 @@ class RoundSummary:
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@contextlib.contextmanager
+def _in_job(job: Job):
+    """Prefix a JobError raised below with the job file it came from."""
+    try:
+        yield
+    except JobError as e:
+        msg = str(e)
+        raise JobError(msg if msg.startswith(job.source) else f"{job.source}: {msg}") from None
 
 
 def newest_checkpoint(lake: str, run: str) -> Checkpoint:
@@ -73,7 +84,8 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
     console = console or Console(stderr=True)
     lake, run = job.run.lake, job.run.name
     check_envs(job)
-    resolve_model(job.model.base)  # a missing model fails here, not on every worker; builds builtins once
+    with _in_job(job):
+        resolve_model(job.model.base)  # a missing model fails here, not on every worker; builds builtins once
     last = lk.last_committed_round(lake, run)
     round_ = 0 if last is None else last + 1
     checkpoints = list_checkpoints(lake, run)
@@ -83,10 +95,10 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
     started = lk.now()
     t0 = time.perf_counter()
     n_games = sum(len(t.games) for t in tasks)
-    if client is None:
-        with open_client(job.cluster) as own:
-            results = _run_tasks(own, job, tasks, n_games, round_, current, console)
-    else:
+    with contextlib.ExitStack() as stack:
+        if client is None:
+            with _in_job(job):
+                client = stack.enter_context(open_client(job.cluster))
         results = _run_tasks(client, job, tasks, n_games, round_, current, console)
     wall = time.perf_counter() - t0
     summary = RoundSummary(run, round_, current.uid, sum(r["games"] for r in results),
