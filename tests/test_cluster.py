@@ -104,7 +104,7 @@ def test_slurm_job_script():
 
 def test_pbs_lsf_sge_job_scripts():
     pbs = job_script(ClusterConfig(**{**GPU_SLURM, "kind": "pbs", "gpus_per_job": 2}))
-    assert "#PBS -l select=1:ncpus=8:ngpus=2:mem=64GB" in pbs and "#PBS -l walltime=02:00:00" in pbs
+    assert "#PBS -l select=1:ncpus=8:ngpus=2:mem=60GB" in pbs and "#PBS -l walltime=02:00:00" in pbs
     assert "#PBS -A proj7" in pbs and "--resources GPU=2" in pbs and "--lifetime 100m" in pbs
     lsf = job_script(ClusterConfig(**{**GPU_SLURM, "kind": "lsf"}))
     assert "#BSUB -W 2:00" in lsf and '#BSUB -gpu "num=1"' in lsf and '#BSUB -P "proj7"' in lsf
@@ -180,7 +180,7 @@ RUN = "retire"
 def _play(key: str, lake: str, log: str, seconds: float, die_first: bool = False) -> int:
     """A stand-in for a round task: write games, work, write turns; every write is atomic."""
     from distributed import get_worker
-    name = get_worker().name
+    name = str(get_worker().name)
     with open(log, "a") as f:
         f.write(f"{key} {name}\n")
     attempts = Path(log).read_text().split().count(key)
@@ -214,16 +214,16 @@ def _check_lake(lake: Path, keys: list[str]) -> dict:
 def test_worker_reaching_lifetime_mid_task_loses_no_games(tmp_path):
     lake, log = tmp_path / "lake", tmp_path / "attempts.log"
     scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": None}}
-    workers = {  # "short" retires gracefully after 6 s, as a jobqueue worker with --lifetime does
-        "short": {"cls": Nanny, "options": {"nthreads": 1, "lifetime": "6s", "lifetime_stagger": "0s",
+    workers = {  # "short" retires gracefully after 4 s, as a jobqueue worker with --lifetime does
+        "short": {"cls": Nanny, "options": {"nthreads": 1, "lifetime": "4s", "lifetime_stagger": "0s",
                                             "lifetime_restart": False}},
-        "long": {"cls": Nanny, "options": {"nthreads": 1}}}
+        "long": {"cls": Nanny, "options": {"nthreads": 3}}}
     keys = [f"task-{i:04d}" for i in range(3)]
     with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as client:
         client.wait_for_workers(2, timeout=60)
         short = next(a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if w["name"] == "short")
         # Prefer "short" (a loose restriction), so its first task is cut by the retirement.
-        futures = [client.submit(_play, k, str(lake), str(log), 8.0, workers=[short], allow_other_workers=True,
+        futures = [client.submit(_play, k, str(lake), str(log), 6.0, workers=[short], allow_other_workers=True,
                                  pure=False) for k in keys]
         assert client.gather(futures) == [3, 3, 3]
         assert "short" not in {w["name"] for w in client.scheduler_info(n_workers=-1)["workers"].values()}

@@ -1,4 +1,6 @@
 """A generation round end to end: real TextArena games, a real 2-worker LocalCluster, real DuckDB."""
+import dataclasses
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -48,15 +50,16 @@ def test_round_end_to_end(tmp_path, local_client):
 def test_rerun_task_replaces_files_and_failed_round_is_redone(tmp_path, local_client):
     job = _job(tmp_path)
     cks = list_checkpoints(job.run.lake, "demo")
-    tasks = schedule_round(job, 0, cks[-1], cks)
-    play_task(tasks[0], job.model, job.round, job.run.lake)  # an attempt that "died" before commit
-    play_task(tasks[0], job.model, job.round, job.run.lake)  # its retry
-    files = sorted(p.name for p in (tmp_path / "lake/games/run=demo/round=0").iterdir())
-    assert files == ["task-0000.parquet"]
+    task = dataclasses.replace(schedule_round(job, 0, cks[-1], cks)[0], attempt="dead0001")
+    play_task(task, job.model, job.round, job.run.lake)  # a driver attempt that died before commit
+    play_task(task, job.model, job.round, job.run.lake)  # a retry of its task
+    games_dir = tmp_path / "lake/games/run=demo/round=0"
+    assert sorted(p.name for p in games_dir.iterdir()) == ["task-0000.dead0001.parquet"]
     assert lk.connect(job.run.lake).sql("SELECT count(*) FROM games").fetchall()[0][0] == 0  # not committed
     s = play_round(job, client=local_client)  # the re-run plays round 0 again, whole
     assert s.round == 0
     assert lk.connect(job.run.lake).sql("SELECT count(*), count(DISTINCT game_id) FROM games").fetchall()[0] == (10, 10)
+    assert not list(games_dir.glob("*.dead0001.parquet"))  # the dead attempt's files are gone
 
 
 def test_schedule_is_deterministic_and_rotates_seats(tmp_path):
@@ -92,3 +95,16 @@ def test_interleaved_games_are_reproducible(tmp_path, concurrency):
     cols = ["game_id", "turn", "observation", "action"]
     key = lambda t: t.select(cols).sort_by([("game_id", "ascending"), ("turn", "ascending")]).to_pylist()
     assert key(pq.read_table(ref / "turns")) == key(pq.read_table(out / "turns"))
+
+
+@pytest.mark.slow
+def test_a_racing_driver_cannot_change_a_committed_round(tmp_path, local_client):
+    job = _job(tmp_path)
+    play_round(job, client=local_client)
+    before = lk.query(job.run.lake, "SELECT game_id, turn, completion FROM turns ORDER BY ALL").to_pylist()
+    cks = list_checkpoints(job.run.lake, "demo")
+    late = dataclasses.replace(schedule_round(job, 0, cks[-1], cks)[0], attempt="late0001")
+    play_task(late, job.model, job.round, job.run.lake)  # a second driver's task lands after the commit
+    assert lk.query(job.run.lake, "SELECT game_id, turn, completion FROM turns ORDER BY ALL").to_pylist() == before
+    with pytest.raises(FileExistsError):
+        lk.commit_round(job.run.lake, "demo", 0, {"attempt": "late0001"})

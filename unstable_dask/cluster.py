@@ -133,9 +133,11 @@ def local_gpu_workers(cfg: ClusterConfig, devices: list[str]) -> dict[str, dict]
     return specs
 
 
-def _dashboard(cfg: ClusterConfig) -> Optional[str]:
-    # ":0" picks a free port: several users (or tests) on one host must not collide on 8787.
-    return ":0" if cfg.dashboard else None
+def _scheduler_options(cfg: ClusterConfig) -> dict[str, Any]:
+    # The scheduler's HTTP server (health, metrics, and the dashboard when enabled) starts even
+    # with the dashboard off, on 8787 unless told otherwise: ":0" picks a free port, so several
+    # users or tests on one host never collide.
+    return {"dashboard_address": ":0", "dashboard": cfg.dashboard}
 
 
 def _announce(client: Client, cfg: ClusterConfig) -> None:
@@ -166,14 +168,15 @@ def open_client(cfg: ClusterConfig) -> Iterator[Client]:
             cluster = LocalCluster(
                 n_workers=cfg.n_workers, threads_per_worker=cfg.threads_per_worker,
                 processes=True, memory_limit=_memory_value(cfg),
-                dashboard_address=_dashboard(cfg), host="127.0.0.1", **_lifetime_options(cfg),
+                dashboard_address=":0", scheduler_kwargs={"dashboard": cfg.dashboard},
+                host="127.0.0.1", **_lifetime_options(cfg),
             )
         elif cfg.kind == "local-gpu":
             workers = local_gpu_workers(cfg, visible_gpus())
-            scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": _dashboard(cfg)}}
+            scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", **_scheduler_options(cfg)}}
             cluster = SpecCluster(workers=workers, scheduler=scheduler, name="local-gpu")
         elif cfg.kind in JOBQUEUE_KINDS:
-            cluster = open_jobqueue_cluster(cfg, dashboard_address=_dashboard(cfg))
+            cluster = open_jobqueue_cluster(cfg, _scheduler_options(cfg))
         else:
             raise JobError(f"cluster.kind {cfg.kind!r} is not supported")
         with cluster, Client(cluster) as client:

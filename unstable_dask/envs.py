@@ -1,14 +1,15 @@
 """The project's own TextArena env: WinningNumber, a game where one action wins.
 
-The observation lists the legal moves (`Available Moves: [0], [1], ...`); the first legal number in
-the action is the player's pick, and picking the winning number (fixed by the env id, so a policy
+The observation lists the legal moves (`Available Moves: [0], [1], ...`); the first legal digit in
+the action is the player's pick (lenient on purpose: "[0]", "0" and "I pick 0" all pick 0), and picking the winning number (fixed by the env id, so a policy
 can learn it) wins. It exists so a learning test can check that training moves a policy towards
 the winning action quickly, even from a random-init model.
 
   WinningNumber-v0      1 or 2 players, numbers 0..3, the winning number is 0
   WinningNumber-v0-hard 1 or 2 players, numbers 0..9, the winning number is 7
+  WinningNumber-v0-coin 1 or 2 players, numbers 0..1, the winning number is 0
 
-Single player: win 1, wrong number -1. Two players (each picks once, in turn): the one who picks
+Single player: win 1, wrong number 0, no legal digit (after the error allowance) -1. Two players (each picks once, in turn): the one who picks
 the winning number while the other does not wins (+1/-1), otherwise a draw. An action without a
 legal number is an invalid move (TextArena's error allowance applies: resubmit, then forfeit).
 `register_envs()` is idempotent; every worker calls it before `ta.make`.
@@ -22,7 +23,7 @@ import textarena as ta
 from textarena.envs.registration import ENV_REGISTRY, register_with_versions
 from textarena.wrappers import ActionFormattingWrapper, GameMessagesObservationWrapper, LLMObservationWrapper
 
-_NUMBER = re.compile(r"\d+")
+_DIGIT = re.compile(r"\d")
 
 
 class WinningNumberEnv(ta.Env):
@@ -49,7 +50,7 @@ class WinningNumberEnv(ta.Env):
     def step(self, action: str) -> tuple[bool, ta.Info]:
         pid = self.state.current_player_id
         self.state.add_observation(from_id=pid, message=action, observation_type=ta.ObservationType.PLAYER_ACTION)
-        pick = next((int(m) for m in _NUMBER.findall(action) if int(m) < self.numbers), None)
+        pick = next((int(d) for d in _DIGIT.findall(action) if int(d) < self.numbers), None)
         if pick is None:
             if self.state.num_players == 1:
                 self.state.set_invalid_move(reason="no legal number in the action", reward=-1.0)
@@ -62,7 +63,7 @@ class WinningNumberEnv(ta.Env):
                                    observation_type=ta.ObservationType.GAME_ACTION_DESCRIPTION)
         if self.state.num_players == 1:
             won = pick == self.winning
-            self.state.set_outcome(1.0 if won else -1.0, f"Picked {pick}; the winning number is {self.winning}.")
+            self.state.set_outcome(1.0 if won else 0.0, f"Picked {pick}; the winning number is {self.winning}.")
         elif len(picks) == 2:
             hit = [p for p in (0, 1) if picks[p] == self.winning]
             if len(hit) == 1:
@@ -72,7 +73,8 @@ class WinningNumberEnv(ta.Env):
         return self.state.step()
 
 
-_IDS = {"WinningNumber-v0": dict(numbers=4, winning=0), "WinningNumber-v0-hard": dict(numbers=10, winning=7)}
+_IDS = {"WinningNumber-v0": dict(numbers=4, winning=0), "WinningNumber-v0-hard": dict(numbers=10, winning=7),
+        "WinningNumber-v0-coin": dict(numbers=2, winning=0)}
 
 
 def register_envs() -> None:

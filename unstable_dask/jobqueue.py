@@ -195,13 +195,12 @@ def _job_keywords(job_cls: type[Job]) -> set[str]:
     return {p for fn in (Job.__init__, job_cls.__init__) for p in inspect.signature(fn).parameters}
 
 
-def open_jobqueue_cluster(cfg: ClusterConfig, dashboard_address: str | None) -> JobQueueCluster:
+def open_jobqueue_cluster(cfg: ClusterConfig, scheduler_options: dict[str, Any]) -> JobQueueCluster:
     """Start the kind's JobQueueCluster and ask for its workers (fixed jobs or adaptive)."""
     kwargs = jobqueue_kwargs(cfg)
     cluster_cls, _ = _CLASSES[cfg.kind]
     # jobqueue takes scheduler settings only through scheduler_options; a user's own win.
-    dashboard = {"dashboard_address": dashboard_address} if dashboard_address else {"dashboard": False}
-    kwargs["scheduler_options"] = {**dashboard, **kwargs.get("scheduler_options", {})}
+    kwargs["scheduler_options"] = {**scheduler_options, **kwargs.get("scheduler_options", {})}
     cluster = cluster_cls(**kwargs)
     try:
         if cfg.adapt_max is not None:

@@ -73,6 +73,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("latency_s", pa.float64()),  # wall time of the batched generate call this turn was in
     ]),
     "rounds": pa.schema([
+        ("attempt", pa.string()),  # the driver attempt whose files are the round's data
         ("checkpoint_uid", pa.string()),  # the checkpoint this round played
         ("games", pa.int64()),
         ("turns", pa.int64()),
@@ -176,14 +177,30 @@ def list_files(lake: Union[str, Path], table: str) -> list[Path]:
     return [p for p in files if is_whole_parquet(p)]
 
 
-def committed_rounds(lake: Union[str, Path], run: Optional[str] = None) -> set[tuple[str, int]]:
+def committed_attempts(lake: Union[str, Path], run: Optional[str] = None) -> dict[tuple[str, int], Optional[str]]:
+    """(run, round) -> the attempt id recorded by the round's commit marker (None: any file counts,
+    as in lakes written before attempts existed)."""
     root = Path(lake) / "rounds"
-    out = set()
+    out = {}
     for p in list_files(lake, "rounds"):
         v = _partition_values(p, root)
         if "round" in v and (run is None or v["run"] == run):
-            out.add((v["run"], v["round"]))
+            schema = pq.read_schema(p)
+            attempt = pq.read_table(p, columns=["attempt"]).column(0)[0].as_py() if "attempt" in schema.names else None
+            out[(v["run"], v["round"])] = attempt
     return out
+
+
+def committed_rounds(lake: Union[str, Path], run: Optional[str] = None) -> set[tuple[str, int]]:
+    root = Path(lake) / "rounds"
+    return {(v["run"], v["round"]) for v in (_partition_values(p, root) for p in list_files(lake, "rounds"))
+            if "round" in v and (run is None or v["run"] == run)}
+
+
+def attempt_of(path: Path) -> Optional[str]:
+    """The attempt id in a round file's name (`task-0003.<attempt>.parquet`), if any."""
+    parts = path.name.split(".")
+    return parts[1] if len(parts) == 3 else None
 
 
 def committed_checkpoint_iterations(lake: Union[str, Path]) -> set[tuple[str, int]]:
@@ -197,8 +214,14 @@ def visible_files(lake: Union[str, Path], table: str) -> list[Path]:
     files = list_files(lake, table)
     root = Path(lake) / table
     if table in ("games", "turns"):
-        ok = committed_rounds(lake)
-        return [p for p in files if (lambda v: (v.get("run"), v.get("round")) in ok)(_partition_values(p, root))]
+        ok = committed_attempts(lake)
+        keep = []
+        for p in files:
+            v = _partition_values(p, root)
+            key = (v.get("run"), v.get("round"))
+            if key in ok and (ok[key] is None or attempt_of(p) == ok[key]):
+                keep.append(p)
+        return keep
     if table == "learner_steps":
         ok = committed_checkpoint_iterations(lake)
         return [p for p in files if (lambda v: (v.get("run"), v.get("iteration")) in ok)(_partition_values(p, root))]
@@ -236,8 +259,19 @@ SEATS_VIEW = """CREATE OR REPLACE VIEW seats AS
     FROM games g, UNNEST(g.seats) AS t(s)"""
 
 
+def _schema(table: str) -> Optional[pa.Schema]:
+    if table in SCHEMAS:
+        return SCHEMAS[table]
+    # The jobs that write these tables own their schemas (imported late: they import this module).
+    if table == "learner_steps":
+        from .learn import LEARNER_STEPS
+        return LEARNER_STEPS
+    from .ratings import SCHEMAS as RATINGS_SCHEMAS
+    return RATINGS_SCHEMAS.get(table)
+
+
 def _empty_relation(con: duckdb.DuckDBPyConnection, table: str) -> Optional[str]:
-    schema = SCHEMAS.get(table)
+    schema = _schema(table)
     if schema is None:
         return None
     part = PARTITION.get(table)
@@ -344,12 +378,13 @@ def commit_round(lake: Union[str, Path], run: str, round_: int, row: dict) -> Pa
     return write_table(lake, "rounds", run, round_, "commit", [row], exclusive=True)
 
 
-def clear_uncommitted(lake: Union[str, Path], run: str, round_: int) -> None:
-    """Remove files an earlier, failed attempt at an uncommitted round left behind."""
-    if (run, round_) in committed_rounds(lake, run):
-        raise FileExistsError(f"round {round_} of run {run!r} is already committed")
+def remove_other_attempts(lake: Union[str, Path], run: str, round_: int, attempt: str) -> int:
+    """After a commit: delete files other attempts left in the round (they can never be visible)."""
+    removed = 0
     for table in ("games", "turns"):
         d = table_dir(lake, table, run, round_)
-        if d.is_dir():
-            for p in d.iterdir():
-                p.unlink()
+        for p in d.glob("*.parquet") if d.is_dir() else []:
+            if attempt_of(p) != attempt:
+                p.unlink(missing_ok=True)
+                removed += 1
+    return removed

@@ -157,7 +157,7 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
         if progress is not None:
             progress(len(finished), tokens)
 
-    lk.write_table(lake, "turns", task.run, task.round, task.key, turns_out)
-    lk.write_table(lake, "games", task.run, task.round, task.key, games_out)
+    lk.write_table(lake, "turns", task.run, task.round, task.file_key, turns_out)
+    lk.write_table(lake, "games", task.run, task.round, task.file_key, games_out)
     return dict(task=task.key, games=len(games_out), turns=len(turns_out), completion_tokens=tokens,
                 generate_s=gen_time, wall_s=time.perf_counter() - t0, worker=worker)

@@ -1,15 +1,19 @@
 """The round job: schedule a round's games, play them as Dask tasks, commit the round.
 
 The driver alone writes the commit marker, after every task has written its files; until then
-readers see nothing of the round. A failed or killed round is simply run again: the uncommitted
-files of the earlier attempt are cleared and the same games (same ids and seeds) are replayed.
+readers see nothing of the round. Each driver attempt names its files with an attempt id, and
+the marker records the winning attempt: a killed round is simply run again (same game ids and
+seeds), and a second driver racing on the same round can neither commit it twice nor change the
+files of the attempt that won.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -90,8 +94,10 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
     round_ = 0 if last is None else last + 1
     checkpoints = list_checkpoints(lake, run)
     current = checkpoints[-1]
-    tasks = schedule_round(job, round_, current, checkpoints)
-    lk.clear_uncommitted(lake, run, round_)
+    # Each attempt writes files of its own; only the attempt named by the commit marker is ever
+    # visible, so a concurrent or killed driver can never change a committed round.
+    attempt = uuid.uuid4().hex[:8]
+    tasks = [dataclasses.replace(t, attempt=attempt) for t in schedule_round(job, round_, current, checkpoints)]
     started = lk.now()
     t0 = time.perf_counter()
     n_games = sum(len(t.games) for t in tasks)
@@ -104,10 +110,15 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
     summary = RoundSummary(run, round_, current.uid, sum(r["games"] for r in results),
                            sum(r["turns"] for r in results), sum(r["completion_tokens"] for r in results),
                            wall, results, str(lake))
-    lk.commit_round(lake, run, round_, dict(
-        checkpoint_uid=current.uid, games=summary.games, turns=summary.turns, tasks=len(tasks),
+    try:
+        lk.commit_round(lake, run, round_, dict(
+            attempt=attempt, checkpoint_uid=current.uid, games=summary.games, turns=summary.turns, tasks=len(tasks),
         completion_tokens=summary.completion_tokens, job_fingerprint=job.fingerprint(),
-        job=json.dumps(job.model_dump(mode="json"), sort_keys=True), started_at=started, committed_at=lk.now()))
+            job=json.dumps(job.model_dump(mode="json"), sort_keys=True), started_at=started, committed_at=lk.now()))
+    except FileExistsError:
+        raise JobError(f"round {round_} of run {run!r} was committed by another driver while this one played; "
+                       f"nothing of this attempt is visible; run the command again for round {round_ + 1}") from None
+    lk.remove_other_attempts(lake, run, round_, attempt)
     lk.refresh_catalog(lake)
     return summary
 

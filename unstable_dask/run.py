@@ -98,13 +98,24 @@ def cmd_learn(args) -> None:
 
 
 def cmd_rate(args) -> None:
+    job = _job(args)
     from .ratings import rate
-    console.print(rate(_job(args)))
+    res = rate(job, full=args.full)
+    console.print(f"rated {res.games_rated} games ({res.mirror_games} mirror self-play, not rated; "
+                  f"{res.skipped_games} skipped) over {len(res.rounds)} rounds"
+                  f"{' (incremental)' if res.incremental else ''} in {res.seconds:.1f} s")
+    from . import lake as lk
+    _print_table(lk.query(job.run.lake, """SELECT model_uid, round(mu, 2) AS mu, round(sigma, 2) AS sigma,
+        round(conservative, 2) AS conservative, games, wins, draws, losses, round(bt_score) AS bt, rank
+        FROM ratings WHERE run = ? AND env_id = '*' ORDER BY conservative DESC""", [job.run.name]).to_pylist(),
+                 title=f"leaderboard: {job.run.name}")
+    console.print(f"ratings: {os.path.abspath(job.run.lake)}/ratings/run={job.run.name}/")
 
 
 def cmd_report(args) -> None:
+    job = _job(args)
     from .report import report
-    path = report(_job(args))
+    path = report(job)
     console.print(f"report: {path}")
 
 
@@ -141,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("learn", "one learner update from the lake; writes a new checkpoint")
     sp.add_argument("--show-sql", action="store_true", help="print the exact sampling query and exit")
     sp.add_argument("--preview", action="store_true", help="show the sampled batch without training")
-    add("rate", "recompute TrueSkill and Bradley-Terry ratings from every committed game")
+    sp = add("rate", "recompute TrueSkill and Bradley-Terry ratings from every committed game")
+    sp.add_argument("--full", action="store_true", help="ignore the saved replay state (same result, slower)")
     add("report", "write the HTML report to reports/<run>/index.html")
     sp = add("loop", "round -> learn -> rate -> report, N times; resumes where it stopped")
     sp.add_argument("--rounds", type=int, default=3)

@@ -44,10 +44,16 @@ class GameSpec:
 
 @dataclass(frozen=True)
 class TaskSpec:
-    key: str  # file name of this task's games/turns files
+    key: str  # task-0003: fixed by the schedule
     run: str
     round: int
     games: tuple[GameSpec, ...]
+    attempt: str = "0"  # the driver attempt playing it; the commit marker names the winning one
+
+    @property
+    def file_key(self) -> str:
+        """Name of this task's games/turns files: a retry within an attempt replaces them."""
+        return f"{self.key}.{self.attempt}"
 
 
 @dataclass(frozen=True)
