@@ -111,15 +111,16 @@ def test_round_on_slurm_with_two_gpu_pinned_workers(slurm, tmp_path):
     print(f"squeue empty {waited:.1f} s after close")
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(480)
 def test_round_survives_worker_lifetime_on_slurm(slurm, tmp_path):
     """Workers retire at --lifetime mid-round; adapt submits replacements; no game is lost.
 
     The lifetime must be longer than one task (engine start + games_per_task games), or every
-    attempt is cut and the round never ends; 20 s is several tasks here.
+    attempt is cut and the round never ends; 15 s is several tasks here, and shorter than the
+    round, so every worker generation retires mid-round.
     """
     from unstable_dask.round import play_round
-    job = _job(tmp_path, lifetime="20s", lifetime_stagger="2s", jobs=2)
+    job = _job(tmp_path, lifetime="15s", lifetime_stagger="3s", jobs=2)
     job = job.model_copy(update={"round": job.round.model_copy(update={"train_games": 40, "eval_games": 0})})
     with open_client(job.cluster) as client:
         client.wait_for_workers(2, timeout=120)

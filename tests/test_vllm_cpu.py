@@ -136,7 +136,7 @@ def test_round_with_vllm_backend(tmp_path, cache):
     with open_client(job.cluster) as client:
         # the worker inherits this process's env (KV cache size, spawn); the engine is built there
         s = play_round(job, client=client)
-        backends = client.run(lambda: sorted({type(e).__name__ for e in __import__("unstable_dask.engines").engines._ENGINES.values()}))
+        backends = client.run(lambda: sorted({type(e).__name__ for e in __import__("unstable_dask.engines").engines.resident_engines()}))
     assert s.games == 4
     assert list(backends.values()) == [["VLLMEngine"]]
     con = lk.connect(job.run.lake)

@@ -289,6 +289,12 @@ _HF_MODELS: dict[tuple[str, str], _HFModel] = {}  # (model path, dtype) -> resid
 _CACHE_LOCK = threading.Lock()
 
 
+def resident_engines() -> list[Engine]:
+    """Engines this process keeps resident (e.g. to sleep them while a learner uses the GPU)."""
+    with _CACHE_LOCK:
+        return list(_ENGINES.values())
+
+
 def get_engine(cfg: ModelConfig) -> Engine:
     """The engine for `cfg`, built on first use and reused by every later task in this process.
 

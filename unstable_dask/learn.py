@@ -152,20 +152,12 @@ def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None) 
     return _train(job, p, device)
 
 
-def _resident_engines() -> list:
-    """Engines this process keeps resident (a GPU worker's vLLM), to put to sleep during training."""
-    try:
-        from . import engines
-    except ImportError:
-        return []
-    return list(getattr(engines, "_ENGINES", {}).values())
-
-
 def _train(job: Job, p: Plan, device: str) -> LearnResult:
     import torch
 
     from .trainer import Trainer
-    engines = _resident_engines() if device == "cuda" else []
+    from .engines import resident_engines
+    engines = resident_engines() if device == "cuda" else []
     for e in engines:  # single-GPU mode: free the engine's GPU memory for the update
         e.sleep()
     try:

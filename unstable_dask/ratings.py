@@ -93,6 +93,11 @@ class RatingsResult:
     paths: list[Path] = field(default_factory=list)
     seconds: float = 0.0
 
+    def __str__(self) -> str:
+        return (f"rate: {self.games_rated} games rated ({self.mirror_games} mirror self-play, not rated; "
+                f"{self.skipped_games} skipped) over {len(self.rounds)} rounds"
+                f"{' (incremental)' if self.incremental else ''} in {self.seconds:.1f} s")
+
 
 # ---------------------------------------------------------------- closed-form 2-team TrueSkill
 

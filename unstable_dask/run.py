@@ -89,21 +89,23 @@ def cmd_sql(args) -> None:
 
 
 def cmd_learn(args) -> None:
+    job = _job(args)
     from .learn import learn
-    out = learn(_job(args), show_sql=args.show_sql, preview=args.preview)
-    if isinstance(out, str):
+    out = learn(job, show_sql=args.show_sql, preview=args.preview)
+    if isinstance(out, str):  # --show-sql / --preview
         print(out)
-    elif out is not None:
-        console.print(out)
+        return
+    console.print(str(out), highlight=False)
+    if not out.steps:
+        return
+    keys = ["update", "loss", "grad_norm", "samples", "train_tokens", "tokens_per_s", "reward_mean", "advantage_mean"]
+    _print_table([{k: s.get(k) for k in keys} for s in out.steps], title=f"learner_steps of {out.uid}")
 
 
 def cmd_rate(args) -> None:
     job = _job(args)
     from .ratings import rate
-    res = rate(job, full=args.full)
-    console.print(f"rated {res.games_rated} games ({res.mirror_games} mirror self-play, not rated; "
-                  f"{res.skipped_games} skipped) over {len(res.rounds)} rounds"
-                  f"{' (incremental)' if res.incremental else ''} in {res.seconds:.1f} s")
+    console.print(str(rate(job, full=args.full)), highlight=False)
     from . import lake as lk
     _print_table(lk.query(job.run.lake, """SELECT model_uid, round(mu, 2) AS mu, round(sigma, 2) AS sigma,
         round(conservative, 2) AS conservative, games, wins, draws, losses, round(bt_score) AS bt, rank
