@@ -175,8 +175,6 @@ COMMANDS = {"round": cmd_round, "eval": lambda a: cmd_round(a, eval_only=True), 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.getLogger("distributed").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:

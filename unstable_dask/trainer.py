@@ -37,7 +37,10 @@ def _backbone(cls, path: str, job: Job, device: torch.device):
     model = cls.from_pretrained(path, dtype=model_dtype(job, device)).to(device)
     model.config.use_cache = False  # training: no KV cache (and required by gradient checkpointing)
     if job.learn.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
