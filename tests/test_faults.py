@@ -163,3 +163,64 @@ def test_lake_from_an_older_schema_still_reads(tmp_path):
     rows = lk.query(tmp_path, "SELECT game_id, round, logprobs, latency_s FROM turns ORDER BY round").to_pylist()
     assert rows == [{"game_id": "old", "round": 0, "logprobs": None, "latency_s": None},
                     {"game_id": "new", "round": 1, "logprobs": [-0.5], "latency_s": 0.1}]
+
+
+def _run(args, tmp_path, **kw):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "unstable_dask.run", *args], cwd=tmp_path, env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
+
+
+def _kill_at(args, tmp_path, after_s: float) -> bool:
+    """Start a job, SIGKILL its whole process group after `after_s`; True if it had already ended."""
+    p = _run(args, tmp_path)
+    try:
+        p.wait(timeout=after_s)
+        return True
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        return False
+
+
+def _assert_learner_consistent(lake: Path):
+    """Every visible checkpoint has its whole adapter and optimizer state; steps only with it."""
+    con = lk.connect(lake)
+    cks = con.sql("SELECT iteration, uid, adapter_path FROM checkpoints ORDER BY 1").fetchall()
+    assert [c[0] for c in cks] == list(range(1, len(cks) + 1))
+    for _, uid, rel in cks:
+        d = lake / rel
+        assert (d / "adapter_config.json").is_file() and (d / "optimizer.pt").is_file(), d
+    steps = con.sql("SELECT DISTINCT iteration FROM learner_steps ORDER BY 1").fetchall()
+    assert [s[0] for s in steps] == [c[0] for c in cks]
+    return len(cks)
+
+
+@pytest.mark.slow
+def test_driver_killed_mid_learn_and_mid_report_then_rerun(tmp_path):
+    """Kill `learn` and `report` at several points; after each kill the lake is consistent, and the
+    re-run finishes with exactly one checkpoint per trained round and a whole report."""
+    lake = tmp_path / "lake"
+    base = ["--set", f'run.lake="{lake}"', "--set", f'run.reports="{tmp_path / "reports"}"',
+            "--set", "cluster.dashboard=false", "--set", "round.train_games=8", "--set", "round.eval_games=2"]
+    assert _run(["round", *base], tmp_path).wait(timeout=600) == 0
+    finished = False
+    for after in (2.0, 4.0, 6.0, 8.0, 11.0):
+        finished = _kill_at(["learn", *base], tmp_path, after)
+        assert _assert_learner_consistent(lake) <= 1
+        if finished:
+            break
+    assert _run(["learn", *base], tmp_path).wait(timeout=600) == 0  # finishes, or says there is nothing to do
+    assert _assert_learner_consistent(lake) == 1
+    assert len(list((lake / "adapters/demo").glob("ckpt-1.*"))) == 1  # killed attempts' adapters are gone
+
+    assert _run(["rate", *base], tmp_path).wait(timeout=600) == 0
+    assert _run(["report", *base], tmp_path).wait(timeout=600) == 0
+    index = tmp_path / "reports/demo/index.html"
+    whole = index.read_text()
+    for after in (1.0, 2.0, 3.0):
+        _kill_at(["report", *base], tmp_path, after)
+        text = index.read_text()
+        assert text.rstrip().endswith("</html>")  # never half a page
+    assert _run(["report", *base], tmp_path).wait(timeout=600) == 0
+    assert index.read_text().rstrip().endswith("</html>") and len(whole) > 1000

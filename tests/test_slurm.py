@@ -116,15 +116,17 @@ def test_round_survives_worker_lifetime_on_slurm(slurm, tmp_path):
     """Workers retire at --lifetime mid-round; adapt submits replacements; no game is lost.
 
     The lifetime must be longer than one task (engine start + games_per_task games), or every
-    attempt is cut and the round never ends; 15 s is several tasks here, and shorter than the
-    round, so every worker generation retires mid-round.
+    attempt is cut and the round never ends. To cut the round whatever the machine's speed, the
+    round starts when the first workers are 15 s old, so they retire 3-7 s into it.
     """
     from unstable_dask.round import play_round
-    job = _job(tmp_path, lifetime="15s", lifetime_stagger="3s", jobs=2)
+    job = _job(tmp_path, lifetime="20s", lifetime_stagger="2s", jobs=2)
     job = job.model_copy(update={"round": job.round.model_copy(update={"train_games": 40, "eval_games": 0})})
     with open_client(job.cluster) as client:
         client.wait_for_workers(2, timeout=120)
+        t_ready = time.perf_counter()
         first_jobs = {e["job"] for e in client.run(_worker_env).values()}
+        time.sleep(max(0.0, 15.0 - (time.perf_counter() - t_ready)))
         summary = play_round(job, client=client)
         retired = [e for _, e in client.get_events("all") if e.get("action") == "remove-worker"]
         jobs_seen = {e["job"] for e in client.run(_worker_env).values()}
@@ -137,5 +139,5 @@ def test_round_survives_worker_lifetime_on_slurm(slurm, tmp_path):
     assert len(files) == 20  # one file per task, retried or not
     _wait_empty_queue()
     assert _squeue() == []
-    print(f"\n{len(retired)} workers retired mid-round ({sum(e['expected'] for e in retired)} gracefully); "
+    print(f"\nround of 40 games: {summary.wall_s:.1f} s; {len(retired)} workers retired mid-round ({sum(e['expected'] for e in retired)} gracefully); "
           f"jobs {sorted(first_jobs)} -> {sorted(jobs_seen)}")

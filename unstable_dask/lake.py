@@ -86,6 +86,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("committed_at", pa.timestamp("us", tz="UTC")),
     ]),
     "checkpoints": pa.schema([
+        ("attempt", pa.string()),  # the learner attempt whose adapter and learner_steps are this checkpoint's
         ("uid", pa.string()),
         ("parent_uid", pa.string()),
         ("adapter_path", pa.string()),  # relative to the lake root; null for the base model
@@ -211,17 +212,24 @@ def list_files(lake: Union[str, Path], table: str) -> list[Path]:
     return out
 
 
-def committed_attempts(lake: Union[str, Path], run: Optional[str] = None) -> dict[tuple[str, int], Optional[str]]:
-    """(run, round) -> the attempt id recorded by the round's commit marker (None: any file counts,
-    as in lakes written before attempts existed)."""
-    root = Path(lake) / "rounds"
+# Tables whose files become visible through a commit marker: table -> (marker table, partition).
+COMMITTED_BY = {"games": ("rounds", "round"), "turns": ("rounds", "round"),
+                "learner_steps": ("checkpoints", "iteration")}
+
+
+def committed_attempts(lake: Union[str, Path], marker: str = "rounds",
+                       run: Optional[str] = None) -> dict[tuple[str, int], Optional[str]]:
+    """(run, round or iteration) -> the attempt id its commit marker records (None: every file
+    counts, as in lakes written before attempts existed)."""
+    root = Path(lake) / marker
+    part = PARTITION[marker]
     out = {}
-    for p in list_files(lake, "rounds"):
+    for p in list_files(lake, marker):
         v = _partition_values(p, root)
-        if "round" in v and (run is None or v["run"] == run):
-            schema = pq.read_schema(p)
-            attempt = pq.read_table(p, columns=["attempt"]).column(0)[0].as_py() if "attempt" in schema.names else None
-            out[(v["run"], v["round"])] = attempt
+        if part in v and (run is None or v["run"] == run):
+            names = pq.read_schema(p).names
+            attempt = pq.read_table(p, columns=["attempt"]).column(0)[0].as_py() if "attempt" in names else None
+            out[(v["run"], v[part])] = attempt
     return out
 
 
@@ -232,34 +240,26 @@ def committed_rounds(lake: Union[str, Path], run: Optional[str] = None) -> set[t
 
 
 def attempt_of(path: Path) -> Optional[str]:
-    """The attempt id in a round file's name (`task-0003.<attempt>.parquet`), if any."""
+    """The attempt id in a file's name (`task-0003.<attempt>.parquet`), if any."""
     parts = path.name.split(".")
     return parts[1] if len(parts) == 3 else None
-
-
-def committed_checkpoint_iterations(lake: Union[str, Path]) -> set[tuple[str, int]]:
-    root = Path(lake) / "checkpoints"
-    return {(v["run"], v["iteration"]) for v in (_partition_values(p, root) for p in list_files(lake, "checkpoints"))
-            if "iteration" in v}
 
 
 def visible_files(lake: Union[str, Path], table: str) -> list[Path]:
     """Files a reader may see: committed rounds for games/turns, committed checkpoints for steps."""
     files = list_files(lake, table)
+    if table not in COMMITTED_BY:
+        return files
+    marker, part = COMMITTED_BY[table]
+    ok = committed_attempts(lake, marker)
     root = Path(lake) / table
-    if table in ("games", "turns"):
-        ok = committed_attempts(lake)
-        keep = []
-        for p in files:
-            v = _partition_values(p, root)
-            key = (v.get("run"), v.get("round"))
-            if key in ok and (ok[key] is None or attempt_of(p) == ok[key]):
-                keep.append(p)
-        return keep
-    if table == "learner_steps":
-        ok = committed_checkpoint_iterations(lake)
-        return [p for p in files if (lambda v: (v.get("run"), v.get("iteration")) in ok)(_partition_values(p, root))]
-    return files
+    keep = []
+    for p in files:
+        v = _partition_values(p, root)
+        key = (v.get("run"), v.get(part))
+        if key in ok and (ok[key] is None or attempt_of(p) == ok[key]):
+            keep.append(p)
+    return keep
 
 
 def last_committed_round(lake: Union[str, Path], run: str) -> Optional[int]:
@@ -412,11 +412,11 @@ def commit_round(lake: Union[str, Path], run: str, round_: int, row: dict) -> Pa
     return write_table(lake, "rounds", run, round_, "commit", [row], exclusive=True)
 
 
-def remove_other_attempts(lake: Union[str, Path], run: str, round_: int, attempt: str) -> int:
-    """After a commit: delete files other attempts left in the round (they can never be visible)."""
+def remove_other_attempts(lake: Union[str, Path], marker: str, run: str, part: int, attempt: str) -> int:
+    """After a commit: delete files other attempts left behind (they can never be visible)."""
     removed = 0
-    for table in ("games", "turns"):
-        d = table_dir(lake, table, run, round_)
+    for table in [t for t, (m, _) in COMMITTED_BY.items() if m == marker]:
+        d = table_dir(lake, table, run, part)
         for p in d.glob("*.parquet") if d.is_dir() else []:
             if attempt_of(p) != attempt:
                 p.unlink(missing_ok=True)

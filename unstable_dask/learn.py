@@ -1,12 +1,14 @@
 """The learn job: one SQL query picks a batch, an algorithm updates the LoRA adapter, the lake
 gets a new checkpoint.
 
-Order of writes (the checkpoints row is the commit):
-  1. adapter (+ optimizer state, + critic for A2C) to <lake>/adapters/<run>/ckpt-<k>/ via a temp dir
-  2. learner_steps rows of iteration k (invisible until 3 exists)
-  3. the checkpoints row of iteration k
-A learn job killed anywhere before 3 leaves nothing visible and is simply run again. A learn job
-for a round already trained on (the newest checkpoint lists it) does nothing.
+Order of writes (the checkpoints row is the commit; every name carries this attempt's id):
+  1. adapter (+ optimizer state, + critic for A2C) to <lake>/adapters/<run>/ckpt-<k>.<attempt>/
+     via a temp dir
+  2. learner_steps of iteration k, steps.<attempt>.parquet (invisible until 3 names the attempt)
+  3. the checkpoints row of iteration k, created exclusively
+A learn job killed anywhere before 3 leaves nothing visible and is simply run again; two racing
+learners cannot both commit iteration k. A learn job for a round already trained on (the newest
+checkpoint lists it) does nothing.
 """
 from __future__ import annotations
 
@@ -177,16 +179,29 @@ def _train(job: Job, p: Plan, device: str) -> LearnResult:
             m.update(update=u, algorithm=job.learn.algorithm, checkpoint_uid=p.uid, batch_seed=batch_seed(job, p.iteration, u),
                      rounds=p.rounds, device=device, created_at=lk.now(), **_cuda_memory(device))
             steps.append(m)
-        rel = f"adapters/{p.run}/{p.uid}"
+        # Attempt-named, like round files: a learner racing on the same iteration can never
+        # replace the adapter or steps of the attempt that committed it.
+        attempt = uuid.uuid4().hex[:8]
+        rel = f"adapters/{p.run}/{p.uid}.{attempt}"
         _save_atomic(trainer, Path(job.run.lake) / rel)
     finally:
         for e in engines:
             e.wake_up()
     rows = [{k: s.get(k) for k in LEARNER_STEPS.names} for s in steps]
-    lk.write_table(job.run.lake, "learner_steps", p.run, p.iteration, "steps", pa.Table.from_pylist(rows, schema=LEARNER_STEPS))
-    lk.write_table(job.run.lake, "checkpoints", p.run, p.iteration, "checkpoint", [dict(
-        uid=p.uid, parent_uid=p.parent_uid, adapter_path=rel, base_model=job.model.base, rounds_trained=p.rounds,
-        algorithm=job.learn.algorithm, created_at=lk.now())])
+    lk.write_table(job.run.lake, "learner_steps", p.run, p.iteration, f"steps.{attempt}",
+                   pa.Table.from_pylist(rows, schema=LEARNER_STEPS))
+    try:
+        lk.write_table(job.run.lake, "checkpoints", p.run, p.iteration, "checkpoint", [dict(
+            attempt=attempt, uid=p.uid, parent_uid=p.parent_uid, adapter_path=rel, base_model=job.model.base,
+            rounds_trained=p.rounds, algorithm=job.learn.algorithm, created_at=lk.now())], exclusive=True)
+    except FileExistsError:
+        shutil.rmtree(Path(job.run.lake) / rel, ignore_errors=True)
+        raise JobError(f"{p.uid} of run '{p.run}' was committed by another learner while this one trained; "
+                       "nothing of this attempt is visible") from None
+    lk.remove_other_attempts(job.run.lake, "checkpoints", p.run, p.iteration, attempt)
+    for stale in (Path(job.run.lake) / "adapters" / p.run).glob(f"{p.uid}.*"):  # killed attempts' adapters
+        if stale.name != f"{p.uid}.{attempt}" and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
     return LearnResult(p.run, p.iteration, p.uid, rel, p.rounds, steps)
 
 
@@ -197,9 +212,7 @@ def _save_atomic(trainer, final: Path) -> None:
     try:
         trainer.save(tmp)
         (tmp / "trainer_state.json").write_text(json.dumps({"updates": trainer.updates}))
-        if final.exists():  # left by an attempt whose checkpoint row was never written
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        os.replace(tmp, final)  # `final` is this attempt's own name: nothing to replace
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

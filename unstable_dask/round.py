@@ -118,7 +118,7 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
     except FileExistsError:
         raise JobError(f"round {round_} of run {run!r} was committed by another driver while this one played; "
                        f"nothing of this attempt is visible; run the command again for round {round_ + 1}") from None
-    lk.remove_other_attempts(lake, run, round_, attempt)
+    lk.remove_other_attempts(lake, "rounds", run, round_, attempt)
     lk.refresh_catalog(lake)
     return summary
 
