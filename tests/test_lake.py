@@ -88,3 +88,19 @@ def test_user_sql_cannot_write_or_read_outside(tmp_path):
     with pytest.raises(JobError):
         lk.query(tmp_path, "SELECT * FROM read_csv('/etc/passwd')")
     assert not (tmp_path / "x.csv").exists()
+
+
+def test_sql_command_prints_table_csv_and_json(tmp_path, capsys):
+    import json
+
+    from unstable_dask import run
+    lk.write_table(tmp_path, "games", "r1", 0, "task-0000", [_game("a"), _game("b")])
+    _commit(tmp_path, "r1", 0)
+    q = "SELECT game_id, count(*) AS seats FROM seats GROUP BY 1 ORDER BY 1"
+    assert run.main(["sql", q, "--lake", str(tmp_path), "--format", "csv"]) == 0
+    assert capsys.readouterr().out.splitlines() == ['"game_id","seats"', '"a",2', '"b",2']
+    assert run.main(["sql", q, "--lake", str(tmp_path), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [{"game_id": "a", "seats": 2}, {"game_id": "b", "seats": 2}]
+    assert run.main(["sql", q, "--lake", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "game_id" in out and "│ a" in out

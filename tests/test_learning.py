@@ -3,7 +3,9 @@ numbers wins) with builtin:tiny; the win rate must rise by a wide margin within 
 
 The random-init tiny model has near-uniform logits over 4k tokens (tied embeddings of std 0.02),
 so LoRA on attention/MLP alone cannot move them much; this job also puts LoRA on lm_head, a
-standard peft target. Measured: win rate 0.06 -> 1.00 over 12 rounds (24 updates).
+standard peft target. On-policy batches (window = "latest") keep REINFORCE stable; sampling from
+all past rounds at a higher lr made the curve swing. Measured (two runs): win rate 0.09-0.13 in
+rounds 0-1, 1.00 from round 7 to 11 (2 updates a round).
 """
 from __future__ import annotations
 
@@ -24,13 +26,13 @@ def test_win_rate_rises_clearly(tmp_path):
         "cluster": {"n_workers": 1, "dashboard": False},
         "round": {"train_games": 64, "eval_games": 0, "games_per_task": 64, "concurrency": 64,
                   "train_envs": [{"env_id": "WinningNumber-v0-coin-train", "num_players": 1}]},
-        "learn": {"batch_size": 64, "mini_batch_size": 32, "lr": 2e-2, "grad_clip": 1.0, "window": "all",
+        "learn": {"batch_size": 64, "mini_batch_size": 32, "lr": 1e-2, "grad_clip": 1.0, "window": "latest",
                   "gradient_checkpointing": False, "updates_per_round": 2, "max_generation_len": 16,
                   "final_transforms": [], "step_transforms": [],
                   "sampling_transforms": ["NormalizeRewards(z_score=True)"]}})
     loop(job, 12, rate=False)
     win = {r["round"]: r["win"] for r in lk.query(
         lake, "SELECT round, avg((reward > 0)::DOUBLE) AS win FROM seats GROUP BY round").to_pylist()}
-    first, last = (win[0] + win[1]) / 2, (win[10] + win[11]) / 2
+    first, last = (win[0] + win[1]) / 2, (win[9] + win[10] + win[11]) / 3
     # Base rate is ~0.1 (a digit is rare in random text); 64 games a round make 0.5 a >8 sigma gap.
     assert last >= first + 0.5, win

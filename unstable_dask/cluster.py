@@ -35,8 +35,17 @@ __all__ = ["open_client", "task_resources", "job_script", "visible_gpus", "local
 WORKER_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 
-def worker_config() -> dict[str, Any]:
-    return {"distributed.worker.daemon": False}
+def worker_config(cfg: Optional[ClusterConfig] = None) -> dict[str, Any]:
+    """Dask settings the nannies read whenever they (re)start a worker process."""
+    out: dict[str, Any] = {"distributed.worker.daemon": False}
+    if cfg is not None and cfg.kind == "local":
+        # Dask pins every worker to 1 BLAS/OpenMP thread; local CPU workers split the cores
+        # instead, so one worker on a 2-core laptop is not left at half speed.
+        threads = max(1, (os.cpu_count() or 1) // cfg.n_workers)
+        env = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
+        env.update({k: threads for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
+        out["distributed.nanny.pre-spawn-environ"] = env
+    return out
 
 
 def task_resources(cfg: ClusterConfig, client: Optional[Client] = None) -> Optional[dict[str, float]]:
@@ -163,7 +172,7 @@ def open_client(cfg: ClusterConfig) -> Iterator[Client]:
     # The nanny reads `distributed.worker.daemon` each time it (re)starts a worker process, and
     # nannies live in this process for local kinds, so the setting must hold for the cluster's
     # whole life, not only while it is constructed.
-    with dask.config.set(worker_config()):
+    with dask.config.set(worker_config(cfg)):
         if cfg.kind == "local":
             cluster = LocalCluster(
                 n_workers=cfg.n_workers, threads_per_worker=cfg.threads_per_worker,

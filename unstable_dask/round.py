@@ -17,12 +17,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-from distributed import Client, get_worker
+from distributed import Client, as_completed, get_worker
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import lake as lk
-from .cluster import open_client
+from .cluster import open_client, task_resources
 from .config import Job, JobError
 from .models import resolve_model
 from .play import play_task
@@ -75,12 +75,6 @@ def _play_on_worker(task, model_cfg, round_cfg, lake):
             last[0], last[1], last[2] = now, 0, tokens
 
     return play_task(task, model_cfg, round_cfg, lake, progress)
-
-
-def _task_resources(job: Job) -> Optional[dict]:
-    from . import cluster
-    fn = getattr(cluster, "task_resources", None)
-    return fn(job.cluster) if fn else None
 
 
 def play_round(job: Job, client: Optional[Client] = None, console: Optional[Console] = None) -> RoundSummary:
@@ -142,13 +136,21 @@ def _run_tasks(client: Client, job: Job, tasks, n_games: int, round_: int, curre
                 bar.update(tid, completed=min(counts["games"], n_games),
                            tps=counts["tokens"] / max(time.perf_counter() - t0, 1e-9))
 
+        resources = task_resources(job.cluster, client)
         client.subscribe_topic(PROGRESS_TOPIC, on_event)
         try:
             futures = [client.submit(_play_on_worker, t, job.model, job.round, lake, pure=False,
                                      key=f"play-{t.run}-r{t.round}-{t.key}-{time.time_ns()}",
-                                     resources=_task_resources(job), retries=2)
+                                     resources=resources, retries=2)
                        for t in tasks]
-            results = client.gather(futures)
+            # Take each result as soon as its task ends and release it: a worker retiring at its
+            # --lifetime then holds no results, so its retirement stays graceful even when no
+            # other worker is up (results left on it would be lost and recomputed).
+            index = {f.key: i for i, f in enumerate(futures)}
+            results = [None] * len(futures)
+            for fut in as_completed(futures):
+                results[index[fut.key]] = fut.result()
+                fut.release()
         finally:
             client.unsubscribe_topic(PROGRESS_TOPIC)
         bar.update(tid, completed=n_games,
