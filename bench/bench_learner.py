@@ -6,13 +6,12 @@ Prints a markdown row; writes bench/results/bench_learner.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import pyarrow as pa
 import torch
+from common import row, save
 
 from unstable_dask.config import validate_job
 from unstable_dask.reinforce import token_logprobs
@@ -61,12 +60,10 @@ def main() -> None:
     res = dict(name="bench_learner", model=job.model.base, device="cpu", batch=args.batch,
                ours_tokens_per_s=statistics.median(ours_tps), bare_tokens_per_s=statistics.median(bare_tps))
     res["ratio"] = res["ours_tokens_per_s"] / res["bare_tokens_per_s"]
-    out = Path(__file__).parent / "results" / "bench_learner.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print("| benchmark | ours tok/s | bare peft tok/s | ratio | target |\n|---|---|---|---|---|")
-    print(f"| learner (REINFORCE, builtin:tiny, CPU, batch {args.batch}) | {res['ours_tokens_per_s']:.0f} "
-          f"| {res['bare_tokens_per_s']:.0f} | {res['ratio']:.2f} | >= 0.9 |")
+    save("bench_learner", res)
+    print(row("benchmark", "ours tok/s", "bare peft tok/s", "ratio", "target"))
+    print(row(f"learner (REINFORCE, builtin:tiny, CPU, batch {args.batch})", f"{res['ours_tokens_per_s']:.0f}",
+              f"{res['bare_tokens_per_s']:.0f}", f"{res['ratio']:.2f}", ">= 0.9"))
 
 
 if __name__ == "__main__":

