@@ -140,7 +140,8 @@ class OpponentPool:
         r = self.job.ratings
         env = trueskill.TrueSkill(mu=r.mu, sigma=r.sigma, beta=r.beta, tau=r.tau, draw_probability=r.draw_probability)
         me = env.create_rating(*self.ratings[self.current.uid])
-        w = np.array([env.quality_1vs1(me, env.create_rating(*self.ratings.get(n, (r.mu, r.sigma)))) for n in names])
+        w = np.array([trueskill.quality_1vs1(me, env.create_rating(*self.ratings.get(n, (r.mu, r.sigma))), env=env)
+                      for n in names])
         return w / w.sum() if w.sum() > 0 else np.full(len(names), 1.0 / len(names))
 
 

@@ -1,0 +1,59 @@
+"""Opponent and env sampling: lagged over recent checkpoints, TrueSkill match quality once ratings
+exist (uniform until then), weighted envs. Pure functions of the lake and the job."""
+from collections import Counter
+
+import pytest
+
+from unstable_dask import lake as lk
+from unstable_dask.config import load_job
+from unstable_dask.schedule import Checkpoint, OpponentPool, schedule_games
+
+
+def _job(tmp_path, **over):
+    return load_job(None, {"run.lake": str(tmp_path), "round.train_games": 400, "round.eval_games": 0,
+                           "round.train_envs": [{"env_id": "TicTacToe-v0-train", "num_actors": 1}]} | over)
+
+
+def _ckpts(n):
+    return [Checkpoint("base", None, 0)] + [Checkpoint(f"ckpt-{i}", f"/a/ckpt-{i}", i) for i in range(1, n + 1)]
+
+
+def _opponents(games):
+    return Counter(s.model_uid for g in games for s in g.seats if not s.is_learner)
+
+
+def test_lagged_samples_the_last_k_older_checkpoints(tmp_path):
+    job = _job(tmp_path, **{"round.opponents": {"strategy": "lagged", "lag": 3}})
+    cks = _ckpts(6)
+    seen = _opponents(schedule_games(job, 7, cks[-1], cks))
+    assert set(seen) == {"ckpt-3", "ckpt-4", "ckpt-5"}
+    assert min(seen.values()) > 100  # uniform: ~133 each of 400
+    first = schedule_games(job, 0, cks[0], cks[:1])  # nothing older yet: mirror
+    assert set(_opponents(first)) == {"base"}
+
+
+def test_match_quality_is_uniform_until_ratings_then_prefers_close_matches(tmp_path):
+    job = _job(tmp_path, **{"round.opponents": {"strategy": "match-quality", "fixed": ["random"]}})
+    cks = _ckpts(2)
+    before = _opponents(schedule_games(job, 3, cks[-1], cks))
+    assert set(before) == {"base", "ckpt-1", "ckpt-2", "random"} and min(before.values()) > 60
+    rows = [dict(model_uid=m, env_id="*", mu=mu, sigma=1.0) for m, mu in
+            [("ckpt-2", 30.0), ("ckpt-1", 29.5), ("base", 20.0), ("random", 5.0)]]
+    import pyarrow as pa
+    lk.write_table(tmp_path, "ratings", "demo", None, "ratings", pa.Table.from_pylist(rows))
+    pool = OpponentPool(job, cks[-1], cks)
+    w = dict(zip(pool.candidates(), pool.weights(pool.candidates())))
+    assert w["ckpt-1"] > w["base"] > w["random"]
+    after = _opponents(schedule_games(job, 3, cks[-1], cks))
+    assert after["ckpt-1"] > after["base"] > after.get("random", 0)
+
+
+def test_weighted_env_sampling_follows_weights(tmp_path):
+    job = _job(tmp_path, **{"round.env_sampling": "weighted", "round.train_envs": [
+        {"env_id": "TicTacToe-v0-train", "weight": 3.0}, {"env_id": "KuhnPoker-v0-train", "weight": 1.0}]})
+    base = _ckpts(0)
+    envs = Counter(g.env_id for g in schedule_games(job, 0, base[-1], base))
+    assert envs["TicTacToe-v0-train"] == pytest.approx(300, abs=45)
+    uniform_job = _job(tmp_path, **{"round.train_envs": [e.model_dump() for e in job.round.train_envs]})
+    uniform = Counter(g.env_id for g in schedule_games(uniform_job, 0, base[-1], base))
+    assert uniform["TicTacToe-v0-train"] == pytest.approx(200, abs=45)
