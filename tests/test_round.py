@@ -121,3 +121,21 @@ def test_sampled_task_replays_the_same_completions(tmp_path):
         play_task(task, job.model, job.round, str(tmp_path / name))
         runs.append(pq.read_table(tmp_path / name / "turns").select(cols).sort_by([("game_id", "ascending"), ("turn", "ascending")]).to_pylist())
     assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+def test_three_player_games_with_fixed_random_opponents(tmp_path):
+    """N players: the checkpoint takes one seat of 3-player Snake, the random agent the others."""
+    job = _job(tmp_path, **{"round.train_envs": [{"env_id": "Snake-v0-train", "num_players": 3, "num_actors": 1}],
+                            "round.opponents": {"strategy": "fixed", "fixed": ["random"]},
+                            "round.eval_games": 0, "round.error_allowance": 3})
+    cks = list_checkpoints(job.run.lake, "demo")
+    for task in schedule_round(job, 0, cks[-1], cks):
+        play_task(task, job.model, job.round, job.run.lake)
+    games = pq.read_table(tmp_path / "lake" / "games").to_pylist()
+    assert len(games) == 6
+    for g in games:
+        assert sorted(s["pid"] for s in g["seats"]) == [0, 1, 2]
+        assert [s["model_uid"] for s in g["seats"]].count(RANDOM_UID) == 2
+        assert {s["reward"] for s in g["seats"]} <= {-1.0, 0.0, 1.0}
+    pids = set(pq.read_table(tmp_path / "lake" / "turns").column("pid").to_pylist())
+    assert pids == {0, 1, 2}
