@@ -2,13 +2,13 @@
 
   W1, W2   the same job (builtin tiny model, hf backend) played by `play_round` on a LocalCluster
            of 1 and of 2 worker processes; each cluster plays a warm-up round first, so engine
-           start-up is not in the timed round. Ratio = W2 / W1 (ideal 2.0 with >= 2 free cores).
+           start-up is not in the timed rounds (median of --repeats). Ratio = W2 / W1 (ideal 2.0 with >= 2 free cores).
   SLURM    `open_client(kind = "slurm")` with two 1-GPU jobs (fake GRES) on the localhost SLURM
            of scripts/slurm-localhost.sh: seconds from submit until both workers are connected,
            and from close until squeue is empty; median of --slurm-repeats. Skipped when that
            SLURM is not running (start it with `make slurm-up`).
 
-    python bench/bench_workers.py [--games 24] [--slurm-repeats 3]
+    python bench/bench_workers.py [--games 24] [--repeats 3] [--slurm-repeats 3]
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLURM_DIR = os.environ.get("SLURM_LOCAL_DIR", "/tmp/unstable-dask-slurm")
 
 
-def games_per_s(n_workers: int, games: int, tmp: str) -> dict:
+def games_per_s(n_workers: int, games: int, repeats: int, tmp: str) -> dict:
     from unstable_dask.cluster import open_client
     from unstable_dask.config import load_job
     from unstable_dask.round import play_round
@@ -44,9 +44,10 @@ def games_per_s(n_workers: int, games: int, tmp: str) -> dict:
     with open_client(job.cluster) as client:
         warm = job.model_copy(update={"round": job.round.model_copy(update={"train_games": 2 * 2 * n_workers})})
         play_round(warm, client=client)  # every worker loads its engine here
-        s = play_round(job, client=client)
-    return {"workers": n_workers, "games": s.games, "wall_s": round(s.wall_s, 2),
-            "games_per_s": round(s.games / s.wall_s, 3)}
+        walls = [play_round(job, client=client).wall_s for _ in range(repeats)]
+    wall = statistics.median(walls)
+    return {"workers": n_workers, "games": games, "wall_s": [round(w, 2) for w in walls],
+            "games_per_s": round(games / wall, 3)}
 
 
 def slurm_running() -> bool:
@@ -80,12 +81,13 @@ def slurm_startup(repeats: int, tmp: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--games", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds per layout; the median is reported")
     ap.add_argument("--slurm-repeats", type=int, default=3)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-workers-")
     load = os.getloadavg()[0]
-    w1 = games_per_s(1, args.games, tmp)
-    w2 = games_per_s(2, args.games, tmp)
+    w1 = games_per_s(1, args.games, args.repeats, tmp)
+    w2 = games_per_s(2, args.games, args.repeats, tmp)
     ratio = round(w2["games_per_s"] / w1["games_per_s"], 2)
     slurm = slurm_startup(args.slurm_repeats, tmp) if slurm_running() else None
     path = save("bench_workers", {"command": " ".join(sys.argv), "w1": w1, "w2": w2, "ratio_w2_w1": ratio,

@@ -81,6 +81,25 @@ def test_local_gpu_cluster_pins_one_fake_device_per_worker(monkeypatch):
     assert set(seen) == {"0", "1"}
 
 
+def _thread_env():
+    return os.environ.get("OMP_NUM_THREADS"), os.environ.get("MALLOC_TRIM_THRESHOLD_")
+
+
+@pytest.mark.slow
+def test_local_workers_split_the_cores_whatever_cluster_came_before(monkeypatch):
+    # Dask's nanny leaves its worker settings in the driver's os.environ and reads them back for
+    # the next cluster; a 2-worker cluster after a 1-worker one then oversubscribed the cores.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    cores = os.cpu_count() or 1
+    for n in (1, 2, 1):
+        with open_client(ClusterConfig(kind="local", n_workers=n, dashboard=False)) as client:
+            seen = client.run(_thread_env)
+        # No MALLOC_TRIM_THRESHOLD_: glibc keeps its dynamic mmap threshold (faster torch).
+        assert sorted(seen.values()) == [(str(max(1, cores // n)), None)] * n
+        assert _thread_env() == (None, None)
+
+
 # ---------------------------------------------------------------- batch scripts
 
 GPU_SLURM = dict(kind="slurm", queue="gpu", account="proj7", walltime="02:00:00", cores=8, memory="64GB",

@@ -38,13 +38,20 @@ WORKER_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 def worker_config(cfg: Optional[ClusterConfig] = None) -> dict[str, Any]:
     """Dask settings the nannies read whenever they (re)start a worker process."""
     out: dict[str, Any] = {"distributed.worker.daemon": False}
-    if cfg is not None and cfg.kind == "local":
+    if cfg is None or cfg.kind not in ("local", "local-gpu"):
+        return out
+    env = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
+    # Dask sets MALLOC_TRIM_THRESHOLD_ so freed memory returns to the OS at once. Any explicit
+    # value also switches off glibc's dynamic mmap threshold, so every large tensor torch frees
+    # is unmapped and page-faulted in again: generate ran 20-35% slower in a worker than in a
+    # plain process here (bench/bench_round.py). Engine workers keep their memory anyway.
+    env.pop("MALLOC_TRIM_THRESHOLD_", None)
+    if cfg.kind == "local":
         # Dask pins every worker to 1 BLAS/OpenMP thread; local CPU workers split the cores
         # instead, so one worker on a 2-core laptop is not left at half speed.
         threads = max(1, (os.cpu_count() or 1) // cfg.n_workers)
-        env = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
         env.update({k: threads for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
-        out["distributed.nanny.pre-spawn-environ"] = env
+    out["distributed.nanny.pre-spawn-environ"] = env
     return out
 
 
@@ -155,6 +162,26 @@ def _announce(client: Client, cfg: ClusterConfig) -> None:
 
 
 @contextlib.contextmanager
+def _environ_restored(keys: set[str]) -> Iterator[None]:
+    """Put `keys` of os.environ back as they were when this block ends.
+
+    A Dask nanny copies its pre-spawn-environ into the *driver's* os.environ before it spawns a
+    worker and never undoes it; the next cluster's nannies then read those values back as if
+    the user had exported them (a 1-worker cluster's OMP_NUM_THREADS=2 given to each worker of
+    a later 2-worker cluster made its round 18x slower on 2 cores).
+    """
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
 def open_client(cfg: ClusterConfig) -> Iterator[Client]:
     """Yield a Client for the configured cluster and close what this call started."""
     if cfg.kind == "address":
@@ -172,7 +199,10 @@ def open_client(cfg: ClusterConfig) -> Iterator[Client]:
     # The nanny reads `distributed.worker.daemon` each time it (re)starts a worker process, and
     # nannies live in this process for local kinds, so the setting must hold for the cluster's
     # whole life, not only while it is constructed.
-    with dask.config.set(worker_config(cfg)):
+    settings = worker_config(cfg)
+    spawn_keys = {*dask.config.get("distributed.nanny.pre-spawn-environ"), "PYTHONHASHSEED",
+                  *settings.get("distributed.nanny.pre-spawn-environ", {})}
+    with dask.config.set(settings), _environ_restored(spawn_keys):
         if cfg.kind == "local":
             cluster = LocalCluster(
                 n_workers=cfg.n_workers, threads_per_worker=cfg.threads_per_worker,
