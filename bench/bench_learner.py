@@ -1,6 +1,8 @@
 """Learner tokens/s (Trainer.step: tokenize + REINFORCE update) vs a bare peft loop on the same
 batch (pre-tokenized, forward/backward/clip/AdamW only). Target: ratio >= 0.9.
 
+    python bench/bench_learner.py [--batch 32] [--steps 5]
+
 Prints a markdown row; writes bench/results/bench_learner.json.
 """
 from __future__ import annotations
@@ -30,23 +32,17 @@ def make_batch(n: int) -> pa.Table:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
     job = validate_job({"learn": {"batch_size": args.batch, "mini_batch_size": 8, "gradient_checkpointing": False}})
     batch, dev = make_batch(args.batch), torch.device("cpu")
 
     ours = Trainer(job, None, dev)
-    ours_tps = []
-    for i in range(args.steps + 1):
-        m = ours.step(batch)
-        if i:
-            ours_tps.append(m["tokens_per_s"])
-
     bare = Trainer(job, None, dev)  # same model + LoRA + AdamW; only the loop below differs
     tok = bare.tokenize(batch)
     adv = torch.tensor(batch.column("advantage").to_pylist())
-    bare_tps = []
-    for i in range(args.steps + 1):
+
+    def bare_step() -> float:
         t0 = time.perf_counter()
         bare.optimizer.zero_grad()
         for s in range(0, args.batch, 8):
@@ -55,8 +51,15 @@ def main() -> None:
             loss.backward()
         torch.nn.utils.clip_grad_norm_(bare.policy.parameters(), 0.2)
         bare.optimizer.step()
+        return int(tok.attention_mask.sum()) / (time.perf_counter() - t0)
+
+    # Alternate the two so drift in machine load hits both alike; step 0 of each is a warm-up.
+    ours_tps, bare_tps = [], []
+    for i in range(args.steps + 1):
+        m, b = ours.step(batch), bare_step()
         if i:
-            bare_tps.append(int(tok.attention_mask.sum()) / (time.perf_counter() - t0))
+            ours_tps.append(m["tokens_per_s"])
+            bare_tps.append(b)
     res = dict(name="bench_learner", model=job.model.base, device="cpu", batch=args.batch,
                ours_tokens_per_s=statistics.median(ours_tps), bare_tokens_per_s=statistics.median(bare_tps))
     res["ratio"] = res["ours_tokens_per_s"] / res["bare_tokens_per_s"]

@@ -29,13 +29,14 @@ from common import save  # noqa: E402
 
 from unstable_dask import lake, ratings  # noqa: E402
 from unstable_dask.config import default_job  # noqa: E402
+from unstable_dask.duels import make_env  # noqa: E402
 
 ENVS = ["SimpleTak-v0-train", "KuhnPoker-v0-train", "TicTacToe-v0-train", "ConnectFour-v0-train"]
 
 
 def package_loop(games: list[tuple], cfg) -> tuple[dict, float]:
     """Every game through trueskill.TrueSkill.rate, overall and env track; returns ratings, seconds."""
-    env = ratings.make_env(cfg)
+    env = make_env(cfg)
     R: dict[tuple[str, str], trueskill.Rating] = {}
     t0 = time.perf_counter()
     for env_id, a, b, ra, rb in games:

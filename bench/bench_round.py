@@ -103,7 +103,6 @@ def main() -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
     result = {
-        "command": "python bench/bench_round.py " + " ".join(sys.argv[1:]),
         "games": args.games, "concurrency": args.concurrency, "prompts": len(prompts), "repeats": args.repeats,
         "in_process_tok_s": a_tps, "raw_engine_tok_s": b_tps, "one_at_a_time_tok_s": c_tps,
         "dask_1_worker_tok_s": d[1], "dask_2_workers_tok_s": d[2],

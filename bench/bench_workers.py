@@ -90,7 +90,7 @@ def main() -> None:
     w2 = games_per_s(2, args.games, args.repeats, tmp)
     ratio = round(w2["games_per_s"] / w1["games_per_s"], 2)
     slurm = slurm_startup(args.slurm_repeats, tmp) if slurm_running() else None
-    path = save("bench_workers", {"command": " ".join(sys.argv), "w1": w1, "w2": w2, "ratio_w2_w1": ratio,
+    path = save("bench_workers", {"w1": w1, "w2": w2, "ratio_w2_w1": ratio,
                                   "slurm": slurm, "load_average_at_start": round(load, 2)})
     print(row("games", "1 worker games/s", "2 workers games/s", "ratio", "SLURM 2 workers ready (s)",
               "SLURM cancel (s)", "load avg"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -15,9 +16,10 @@ def machine() -> str:
 
 
 def save(name: str, data: dict) -> Path:
-    """Write bench/results/<name>.json (with the command and machine) and return its path."""
+    """Write bench/results/<name>.json (with the command line and machine) and return its path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    data = {"bench": name, "machine": machine(), "date": time.strftime("%Y-%m-%d"), **data}
+    data = {"bench": name, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join(["python", *sys.argv]), **data}
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return path

@@ -9,7 +9,7 @@ import pytest
 import trueskill
 
 import synthetic_lake as sl
-from unstable_dask import lake, ratings
+from unstable_dask import duels, lake, ratings
 from unstable_dask.config import JobError, default_job
 
 RUN = "syn"
@@ -75,7 +75,7 @@ def oracle(lake_dir: Path, cfg, include_eval: bool = True) -> tuple[dict, dict]:
                 continue  # mirror self-play
             else:
                 groups = [(R[(track, t)],) for t in teams]
-                ranks = ratings.dense_ranks(team_reward)
+                ranks = duels.dense_ranks(team_reward)
             new = env.rate(groups, ranks=ranks)
             for t, g in zip(teams, new):
                 R[(track, t)] = g[0]
@@ -110,18 +110,18 @@ def test_equals_trueskill_package_loop(syn_lake: Path, include_eval: bool) -> No
 def test_fast_path_equals_package_on_random_duels() -> None:
     """Closed form vs the package on single games over a wide range of ratings, draws and dummies."""
     cfg = default_job().ratings
-    margin = trueskill.calc_draw_margin(cfg.draw_probability, 2, env=ratings.make_env(cfg))
+    margin = trueskill.calc_draw_margin(cfg.draw_probability, 2, env=duels.make_env(cfg))
     rng = random.Random(7)
     for _ in range(3000):
         mu = [rng.uniform(-10, 60), rng.uniform(-10, 60)]
         sg = [rng.uniform(0.05, 9), rng.uniform(0.05, 9)]
         out, solo = rng.choice([1, 0, -1]), rng.random() < 0.2
         db = -1 if solo else 1
-        kind = ratings.SOLO if solo else ratings.FAST
+        kind = ratings.SOLO if solo else duels.FAST
         mus, sgs = list(mu), list(sg)
-        stop = ratings.replay_duels(0, 1, [0], [db], [out], [kind], mus, sgs, [True, True], [-1, -1], cfg, margin)
+        stop = duels.replay_duels(0, 1, [0], [db], [out], [kind], mus, sgs, [True, True], [-1, -1], cfg, margin)
         ranks = [0, 0] if out == 0 else [0, 1] if out > 0 else [1, 0]
-        theirs = ratings.package_rate(cfg, [(mu[0], sg[0]), (mu[1], sg[1]) if not solo else (cfg.mu, cfg.sigma)], ranks)
+        theirs = duels.package_rate(cfg, [(mu[0], sg[0]), (mu[1], sg[1]) if not solo else (cfg.mu, cfg.sigma)], ranks)
         if stop == 0:  # the closed form declined (package territory: FloatingPointError)
             continue
         assert mus[0] == pytest.approx(theirs[0][0], abs=1e-6) and sgs[0] == pytest.approx(theirs[0][1], abs=1e-6)
@@ -134,15 +134,15 @@ def test_fast_path_equals_package_on_random_duels() -> None:
 def test_extreme_upset_falls_back_to_mpmath() -> None:
     """Where float64 cannot rate an upset, the package raises; the replay uses mpmath instead."""
     cfg = job_for(Path("unused"), beta=0.5, tau=0.0).ratings
-    margin = trueskill.calc_draw_margin(cfg.draw_probability, 2, env=ratings.make_env(cfg))
-    env = ratings.make_env(cfg)
+    margin = trueskill.calc_draw_margin(cfg.draw_probability, 2, env=duels.make_env(cfg))
+    env = duels.make_env(cfg)
     strong, weak = env.create_rating(100.0, 1.0), env.create_rating(0.0, 1.0)
     with pytest.raises(FloatingPointError):
         env.rate([(weak,), (strong,)], ranks=[0, 1])
     mu, sg = [0.0, 100.0], [1.0, 1.0]
-    stop = ratings.replay_duels(0, 1, [0], [1], [1], [ratings.FAST], mu, sg, [True, True], [-1, -1], cfg, margin)
+    stop = duels.replay_duels(0, 1, [0], [1], [1], [duels.FAST], mu, sg, [True, True], [-1, -1], cfg, margin)
     assert stop == 0 and mu == [0.0, 100.0]  # declined, untouched
-    (mw, sw), (ms, ss) = ratings.package_rate(cfg, [(0.0, 1.0), (100.0, 1.0)], [0, 1])
+    (mw, sw), (ms, ss) = duels.package_rate(cfg, [(0.0, 1.0), (100.0, 1.0)], [0, 1])
     assert mw > 0.0 and ms < 100.0 and 0 < sw <= 1.0 and 0 < ss <= 1.0
 
 
