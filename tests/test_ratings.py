@@ -117,7 +117,7 @@ def test_fast_path_equals_package_on_random_duels() -> None:
         sg = [rng.uniform(0.05, 9), rng.uniform(0.05, 9)]
         out, solo = rng.choice([1, 0, -1]), rng.random() < 0.2
         db = -1 if solo else 1
-        kind = ratings.SOLO if solo else duels.FAST
+        kind = duels.SOLO if solo else duels.FAST
         mus, sgs = list(mu), list(sg)
         stop = duels.replay_duels(0, 1, [0], [db], [out], [kind], mus, sgs, [True, True], [-1, -1], cfg, margin)
         ranks = [0, 0] if out == 0 else [0, 1] if out > 0 else [1, 0]
