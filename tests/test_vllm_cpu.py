@@ -48,7 +48,8 @@ def engine(cache):
     t0 = time.perf_counter()
     eng = get_engine(_model())
     print(f"\nvllm-cpu engine start: {time.perf_counter() - t0:.1f} s")
-    return eng
+    yield eng
+    eng.close()
 
 
 @pytest.fixture(scope="module")

@@ -137,8 +137,13 @@ class VLLMEngine:
             self.vm.sleeping = False
 
     def close(self) -> None:
-        # Freeing a vLLM engine in-process is unreliable; drop our references and let GC try.
+        # Stop the engine-core process now rather than from vLLM's exit hooks (which log to
+        # streams already closed by then); then drop our references so GC can free the weights.
         from unstable_dask import engines
+
+        core = getattr(getattr(self.vm.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
 
         for key in [k for k, v in engines._ENGINES.items() if getattr(v, "vm", None) is self.vm]:
             del engines._ENGINES[key]
