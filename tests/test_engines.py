@@ -223,6 +223,24 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     assert ids[0] == ids[2] and len({ids[0], ids[1], ids[3]}) == 3  # stable per (name, path)
 
     assert not init["enable_sleep_mode"]  # CPU: vLLM has no sleep mode there
+    eng.sleep()
+    eng.wake_up()
+    assert "sleep" not in calls and "wake" not in calls
+
+    # On a GPU the learner sleeps the resident engine (weights to host RAM) and wakes it after.
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    gpu = get_engine(cfg.model_copy(update={"max_new_tokens": 5, "vllm": VllmConfig(max_loras=2)}))
+    assert calls["init"]["enable_sleep_mode"] and calls["init"]["dtype"] == "bfloat16"
+    gpu.sleep()
+    gpu.sleep()  # already asleep: not a second call
+    assert calls.pop("sleep") == 1 and "wake" not in calls
+    gpu.sleep()
+    assert "sleep" not in calls
+    gpu.wake_up()
+    assert calls.pop("wake") and gpu.vm.sleeping is False
+    gpu.wake_up()
+    assert "wake" not in calls
+    gpu.close()
     eng.vm.sleep_mode = True  # as on a GPU
     eng.sleep()
     assert calls["sleep"] == 1
