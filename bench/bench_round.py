@@ -66,10 +66,11 @@ def main() -> None:
         play_task(task, wjob.model, wjob.round, wjob.run.lake)
 
     # A: in-process, the same tasks each repeat (each replaces its own files)
+    tasks = tasks_of(job)
     a_runs = []
     for _ in range(args.repeats):
         t = time.perf_counter()
-        res = [play_task(task, job.model, job.round, job.run.lake) for task in tasks_of(job)]
+        res = [play_task(task, job.model, job.round, job.run.lake) for task in tasks]
         a_runs.append(sum(r["completion_tokens"] for r in res) / (time.perf_counter() - t))
     a_tps = statistics.median(a_runs)
 

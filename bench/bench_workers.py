@@ -2,7 +2,8 @@
 
   W1, W2   the same job (builtin tiny model, hf backend) played by `play_round` on a LocalCluster
            of 1 and of 2 worker processes; each cluster plays a warm-up round first, so engine
-           start-up is not in the timed rounds (median of --repeats). Ratio = W2 / W1 (ideal 2.0 with >= 2 free cores).
+           start-up is not in the timed rounds (median of --repeats).
+           Ratio = W2 / W1 (ideal 2.0 with >= 2 free cores).
   SLURM    `open_client(kind = "slurm")` with two 1-GPU jobs (fake GRES) on the localhost SLURM
            of scripts/slurm-localhost.sh: seconds from submit until both workers are connected,
            and from close until squeue is empty; median of --slurm-repeats. Skipped when that

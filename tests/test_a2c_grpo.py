@@ -8,12 +8,13 @@ import random
 import pytest
 import torch
 
+import test_reinforce
 from test_reinforce import ADV, PROMPTS, Bigram, batch, hand
 from unstable_dask.a2c import gae, turn_rewards
 from unstable_dask.grpo import GRPOArgs, behaviour_logprobs, update
 
 CPU = torch.device("cpu")
-COMPLETIONS = [[3, 4], [2, 2, 1], [0]]  # the completion tokens of test_reinforce.batch()
+COMPLETIONS = [tokens for _, tokens in test_reinforce.COMPLETIONS]
 
 
 # ---------------------------------------------------------------- A2C: rewards per turn and GAE

@@ -38,8 +38,8 @@ import pyarrow.parquet as pq
 import trueskill
 
 from . import bradley_terry, lake
-from .duels import FAST, MIRROR, MULTI, SOLO, dense_ranks, enter_track, make_env, package_rate, replay_duels
 from .config import Job, JobError, RatingsConfig
+from .duels import FAST, MIRROR, MULTI, SOLO, dense_ranks, enter_track, make_env, package_rate, replay_duels
 
 OVERALL = "*"
 
@@ -69,7 +69,6 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("draws", pa.int64()), ("losses", pa.int64()), ("mirror_games", pa.int64()),
     ]),
 }
-
 
 
 @dataclass
