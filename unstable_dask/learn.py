@@ -39,6 +39,8 @@ LEARNER_STEPS = pa.schema([
     ("advantage_mean", pa.float64()), ("advantage_std", pa.float64()), ("batch_seed", pa.int64()),
     ("rounds", pa.list_(pa.int64())), ("device", pa.string()),
     ("cuda_mem_allocated", pa.int64()), ("cuda_mem_reserved", pa.int64()), ("cuda_mem_peak", pa.int64()),
+    # single-GPU mode: the resident engine sleeps during the update
+    ("engine_sleep_s", pa.float64()), ("engine_wake_s", pa.float64()), ("cuda_free_engine_asleep", pa.int64()),
     ("created_at", pa.timestamp("us", tz="UTC")),
 ])
 UNIT = {"reinforce": "turn", "a2c": "seat", "grpo": "group"}
@@ -160,8 +162,12 @@ def _train(job: Job, p: Plan, device: str) -> LearnResult:
     from .trainer import Trainer
     from .engines import resident_engines
     engines = resident_engines() if device == "cuda" else []
-    for e in engines:  # single-GPU mode: free the engine's GPU memory for the update
-        e.sleep()
+    swap: dict = {}
+    if engines:  # single-GPU mode: free the engine's GPU memory for the update
+        t = time.perf_counter()
+        for e in engines:
+            e.sleep()
+        swap.update(engine_sleep_s=time.perf_counter() - t, cuda_free_engine_asleep=torch.cuda.mem_get_info()[0])
     try:
         trainer = Trainer(job, p.parent_adapter, torch.device(device))
         steps = []
@@ -185,9 +191,12 @@ def _train(job: Job, p: Plan, device: str) -> LearnResult:
         rel = f"adapters/{p.run}/{p.uid}.{attempt}"
         _save_atomic(trainer, Path(job.run.lake) / rel)
     finally:
+        t = time.perf_counter()
         for e in engines:
             e.wake_up()
-    rows = [{k: s.get(k) for k in LEARNER_STEPS.names} for s in steps]
+        if engines:
+            swap["engine_wake_s"] = time.perf_counter() - t
+    rows = [{k: s.get(k, swap.get(k)) for k in LEARNER_STEPS.names} for s in steps]
     lk.write_table(job.run.lake, "learner_steps", p.run, p.iteration, f"steps.{attempt}",
                    pa.Table.from_pylist(rows, schema=LEARNER_STEPS))
     try:

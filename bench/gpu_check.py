@@ -1,0 +1,182 @@
+"""The GPU path in one command (`make gpu-check`): round, single-GPU loop with sleep/wake, learner memory.
+
+On a machine with a CUDA GPU this runs, on a Dask `local-gpu` cluster (one worker per GPU, its
+engine resident), a scaled-down version of a GPU job (default jobs/qwen3-selfplay.toml):
+
+  1. round    a round of the job; tokens/s vs the backend's own batched generate on the very
+              prompts the round sent, called on the same resident weights inside the worker
+              (vLLM: `LLM.generate`; hf: transformers `generate`), same sampling settings
+  2. loop     `loop --rounds 2` on one GPU: the learner runs as a task on the engine's worker and
+              the engine sleeps during the update (vLLM level-1 sleep; hf: weights moved to host)
+  3. learner  the learner_steps of that loop: CUDA memory allocated/reserved/peak, tokens/s,
+              engine sleep/wake seconds and the device memory free while the engine slept
+
+and writes one JSON (bench/results/gpu_check.json). Without a GPU it exits 2 with one line.
+
+    python bench/gpu_check.py [--job jobs/qwen3-selfplay.toml] [--model BASE] [--backend vllm|hf]
+                              [--games 32] [--max-new-tokens 256]
+
+--model replaces the job's model (e.g. builtin:tiny on a machine with no model hub); --backend
+defaults to the job's, falling back to hf (recorded) when vllm cannot be imported.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from common import row, save  # noqa: E402
+
+
+def _gpu_info() -> dict:
+    """Device facts from nvidia-smi and torch, without creating a CUDA context in this process
+    (the driver must leave CUDA to the workers)."""
+    import torch
+    info = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "device_count": torch.cuda.device_count()}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+        info["nvidia_smi"] = out
+    except (OSError, subprocess.TimeoutExpired) as e:
+        info["nvidia_smi"] = f"unavailable ({e})"
+    for name in ("vllm", "transformers", "peft", "dask", "duckdb"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception as e:  # noqa: BLE001 - a missing package is a fact to record
+            info[name] = f"not importable ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    return info
+
+
+def _raw_generate(model_cfg, prompts: list[str], batch: int) -> dict:
+    """On the worker: the backend's own generate on the resident weights, same prompts and sampling."""
+    import torch
+
+    from unstable_dask.engines import encode_prompts, get_engine, prompt_budget
+    engine = get_engine(model_cfg)
+    engine.wake_up()
+    ids = encode_prompts(engine.tokenizer, prompts, prompt_budget(model_cfg))
+    tokens, t0 = 0, time.perf_counter()
+    if model_cfg.backend == "vllm":
+        params = engine.vm.SamplingParams(temperature=model_cfg.temperature, top_p=model_cfg.top_p,
+                                          max_tokens=model_cfg.max_new_tokens)
+        outs = engine.vm.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    else:
+        hf = engine.hf
+        pad = engine.tokenizer.pad_token_id
+        with torch.inference_mode():
+            for i in range(0, len(ids), batch):
+                chunk = ids[i:i + batch]
+                width = max(len(x) for x in chunk)
+                inp = torch.tensor([[pad] * (width - len(x)) + x for x in chunk], device=hf.device)
+                att = (torch.arange(width, device=hf.device)[None, :] >=
+                       torch.tensor([width - len(x) for x in chunk], device=hf.device)[:, None]).long()
+                kw = (dict(do_sample=True, temperature=model_cfg.temperature, top_p=model_cfg.top_p, top_k=0)
+                      if model_cfg.temperature > 0 else {})
+                seq = hf.base.generate(input_ids=inp, attention_mask=att, max_new_tokens=model_cfg.max_new_tokens,
+                                       eos_token_id=hf.eos_ids, pad_token_id=pad, **kw)
+                new = seq[:, width:]
+                eos = torch.isin(new, torch.tensor(hf.eos_ids, device=new.device))
+                # generated tokens up to and including the first EOS, like the engine counts them
+                first = torch.where(eos.any(-1), eos.int().argmax(-1) + 1, torch.full_like(eos[:, 0], new.shape[1], dtype=torch.long))
+                tokens += int(first.sum())
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return {"prompts": len(ids), "completion_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "cuda_mem_peak": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--job", default="jobs/qwen3-selfplay.toml")
+    ap.add_argument("--model", default=None, help="replace model.base (e.g. builtin:tiny when no hub is reachable)")
+    ap.add_argument("--backend", choices=["vllm", "hf"], default=None)
+    ap.add_argument("--games", type=int, default=32, help="train games per round (eval games: a quarter)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=64, help="learner batch (turns)")
+    ap.add_argument("--out", default="gpu_check", help="bench/results/<out>.json")
+    args = ap.parse_args()
+
+    import torch
+    if not torch.cuda.is_available():
+        print("gpu_check: needs a CUDA GPU (torch.cuda.is_available() is False on this machine); "
+              "the CPU path is covered by `make test`", file=sys.stderr)
+        sys.exit(2)
+
+    from unstable_dask import lake as lk
+    from unstable_dask.cluster import open_client
+    from unstable_dask.config import load_job
+    from unstable_dask.loop import loop
+    from unstable_dask.round import play_round
+
+    info = _gpu_info()
+    backend = args.backend
+    if backend is None:
+        backend = load_job(args.job).model.backend
+        if backend == "vllm" and not str(info["vllm"])[:1].isdigit():
+            backend = "hf"
+    tmp = tempfile.mkdtemp(prefix="gpu-check-")
+    over = {"run.lake": f"{tmp}/lake", "run.reports": f"{tmp}/reports", "model.backend": backend,
+            "model.max_new_tokens": args.max_new_tokens, "learn.max_generation_len": args.max_new_tokens,
+            "round.train_games": args.games, "round.eval_games": max(args.games // 4, 2),
+            "round.games_per_task": args.games, "round.concurrency": args.games,
+            "learn.batch_size": args.batch_size, "learn.mini_batch_size": min(8, args.batch_size),
+            "learn.device": "cuda", "cluster.kind": "local-gpu", "cluster.n_workers": 1,
+            "cluster.memory_limit": "0", "cluster.dashboard": False}
+    if args.model:
+        over["model.base"] = args.model
+    job = load_job(args.job, over)
+    result: dict = {"gpu": info, "job": args.job, "model": job.model.base, "backend": backend,
+                    "games_per_round": args.games, "max_new_tokens": args.max_new_tokens}
+    print(f"gpu_check: {info['nvidia_smi']} | model {job.model.base} | backend {backend}", flush=True)
+    try:
+        with open_client(job.cluster) as client:
+            # 1. a round (after a warm-up round on its own lake: engine load and first kernels out of the figure)
+            warm = load_job(args.job, over | {"run.lake": f"{tmp}/warm", "round.train_games": 4, "round.eval_games": 0})
+            t = time.perf_counter()
+            play_round(warm, client=client)
+            result["engine_load_and_warmup_s"] = time.perf_counter() - t
+            s = play_round(job, client=client)
+            prompts = [r["prompt"] for r in lk.query(job.run.lake, "SELECT prompt FROM turns WHERE prompt IS NOT NULL "
+                                                     "ORDER BY game_id, turn").to_pylist()]
+            raw = client.submit(_raw_generate, job.model, prompts, args.games, resources={"GPU": 1}, pure=False).result()
+            result["round"] = {"games": s.games, "turns": s.turns, "completion_tokens": s.completion_tokens,
+                               "wall_s": s.wall_s, "tok_s": s.tokens_per_s, "raw_generate": raw,
+                               "round_vs_raw_generate": s.tokens_per_s / raw["tok_s"]}
+            print(f"round: {s.tokens_per_s:.0f} tok/s vs raw generate {raw['tok_s']:.0f} tok/s", flush=True)
+        # 2. the single-GPU loop: learn on the engine's worker with the engine asleep (its own cluster,
+        #    so the loop opens and closes it as a user's `loop` would)
+        ljob = load_job(args.job, over | {"run.lake": f"{tmp}/loop", "run.name": "gpu-loop"})
+        t = time.perf_counter()
+        loop(ljob, rounds=2, rate=False)
+        result["loop_2_rounds_wall_s"] = time.perf_counter() - t
+        steps = lk.query(ljob.run.lake, "SELECT * EXCLUDE (rounds, created_at) FROM learner_steps ORDER BY iteration, update").to_pylist()
+        result["learner_steps"] = steps
+        rounds = lk.query(ljob.run.lake, "SELECT round, completion_tokens, "
+                          "epoch(committed_at - started_at) AS wall_s FROM rounds ORDER BY round").to_pylist()
+        result["loop_rounds"] = rounds
+        result["ok"] = True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    path = save(args.out, result)
+    print(row("figure", "value"))
+    print(row("---", "---"))
+    print(row("round tok/s", f"{result['round']['tok_s']:.0f}"))
+    print(row("raw generate tok/s (same prompts, same weights)", f"{result['round']['raw_generate']['tok_s']:.0f}"))
+    print(row("round / raw generate", f"{result['round']['round_vs_raw_generate']:.2f}"))
+    for st in steps:
+        print(row(f"learner it {st['iteration']} update {st['update']}",
+                  f"peak {st['cuda_mem_peak'] / 2**20:.0f} MiB, reserved {st['cuda_mem_reserved'] / 2**20:.0f} MiB, "
+                  f"{st['tokens_per_s']:.0f} tok/s"))
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
