@@ -1,5 +1,5 @@
-"""Learner tokens/s (Trainer.step: tokenize + REINFORCE update) vs a bare peft loop on the same
-batch (pre-tokenized, forward/backward/clip/AdamW only). Target: ratio >= 0.9.
+"""Learner tokens/s (Trainer.step: ids + REINFORCE update) vs a bare peft loop on the same
+batch (pre-tokenized, forward/log-softmax/backward/clip/AdamW only). Target: ratio >= 0.9.
 
     python bench/bench_learner.py [--batch 32] [--steps 5]
 
@@ -16,17 +16,22 @@ import torch
 from common import row, save
 
 from unstable_dask.config import validate_job
-from unstable_dask.reinforce import token_logprobs
 from unstable_dask.trainer import Trainer
 
 
-def make_batch(n: int) -> pa.Table:
+def make_batch(tokenizer, n: int) -> pa.Table:
+    """Rows shaped like the batch query's: prompts, the engine's completion ids, sampling settings."""
     prompt = ("<|im_start|>user\nYou are playing a two-player zero-sum game. Make valid actions to win.\n"
               "Observation: [GAME] Current Board: Available Moves: [0], [1], [2], [3]<|im_end|>\n<|im_start|>assistant\n")
-    return pa.table({"prompt": [prompt * 2 + str(i) for i in range(n)],
-                     "completion": [f"I pick \\boxed{{[{i % 4}]}} because " + "reason " * (i % 16) for i in range(n)],
-                     "truncated": [False] * n, "advantage": [float((i % 3) - 1) for i in range(n)],
-                     "env_reward": [1.0] * n, "step_reward": [1.0] * n})
+    prompts = [prompt * 2 + str(i) for i in range(n)]
+    completions = [f"I pick \\boxed{{[{i % 4}]}} because " + "reason " * (i % 16) for i in range(n)]
+    ids = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return pa.table({"round": [0] * n, "game_id": [f"g{i}" for i in range(n)], "turn": [0] * n, "pid": [0] * n,
+                     "prompt": prompts, "prompt_tokens": [len(x) for x in ids(prompts)],
+                     "completion_token_ids": ids(completions), "logprobs": [None] * n,
+                     "temperature": [1.0] * n, "top_p": [1.0] * n,
+                     "advantage": [float((i % 3) - 1) for i in range(n)],
+                     "env_reward": [1.0] * n, "final_reward": [1.0] * n, "step_reward": [1.0] * n})
 
 
 def main() -> None:
@@ -35,12 +40,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
     job = validate_job({"learn": {"batch_size": args.batch, "mini_batch_size": 8, "gradient_checkpointing": False}})
-    batch, dev = make_batch(args.batch), torch.device("cpu")
-
+    dev = torch.device("cpu")
     ours = Trainer(job, None, dev)
     bare = Trainer(job, None, dev)  # same model + LoRA + AdamW; only the loop below differs
-    tok = bare.tokenize(batch)
+    batch = make_batch(ours.tokenizer, args.batch)
+    tok = bare.batch(batch).tokens
     adv = torch.tensor(batch.column("advantage").to_pylist())
+
+    def token_logprobs(model, ids, att):
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+        return logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
     def bare_step() -> float:
         t0 = time.perf_counter()

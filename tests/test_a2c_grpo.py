@@ -1,19 +1,25 @@
-"""A2C's GAE and GRPO's clipped-ratio / k3-KL loss equal plain hand computations on tiny inputs."""
+"""A2C's GAE (and the sampling transforms on it) and GRPO's clipped-ratio / k3-KL loss equal plain
+hand computations on tiny inputs."""
 from __future__ import annotations
 
 import contextlib
 import math
 import random
+from types import SimpleNamespace
 
+import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
 import test_reinforce
-from test_reinforce import ADV, PROMPTS, Bigram, batch, hand
-from unstable_dask.a2c import gae, turn_rewards
-from unstable_dask.grpo import GRPOArgs, behaviour_logprobs, update
+from test_reinforce import ADV, CPU, PROMPTS, TOL, Bigram, as_batch, batch, hand, models
+from unstable_dask import a2c
+from unstable_dask.a2c import A2CArgs, gae, turn_rewards
+from unstable_dask.grpo import GRPOArgs, update
+from unstable_dask.policy import behaviour_logprobs
+from unstable_dask.rewards import NormalizeRewards, NormalizeRewardsByEnv, transform_values
 
-CPU = torch.device("cpu")
 COMPLETIONS = [tokens for _, tokens in test_reinforce.COMPLETIONS]
 
 
@@ -54,6 +60,50 @@ def test_a2c_without_critic_or_shaping_is_reinforce_on_the_game_reward():
     assert adv == final
 
 
+class Critic(torch.nn.Module):
+    """The trainer's critic shape: body (here a token embedding as hidden state) + a zero Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 2)
+        self.head = torch.nn.Linear(2, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def body(self, input_ids, attention_mask):
+        return SimpleNamespace(last_hidden_state=self.emb(input_ids))
+
+
+@pytest.mark.parametrize("transform", [NormalizeRewards(z_score=True), NormalizeRewardsByEnv(z_score=False)], ids=repr)
+def test_a2c_sampling_transforms_act_on_its_gae_advantages(transform):
+    """The actor's gradient is REINFORCE's with the transformed GAE advantages (V = 0 at start, so
+    GAE = the reward-to-go of each seat's turn rewards), and advantage_mean / _std describe them."""
+    seats = [("g", 0), ("g", 0), ("h", 1)]  # samples 0 and 1: turns 0 and 2 of one seat
+    turns, final, step = [0, 2, 1], [1.0, 1.0, -1.0], [2.5, 1.0, -2.0]
+    envs = ["EnvA", "EnvA", "EnvB"]
+    table = pa.table({"env_id": envs, "advantage": [0.0] * 3})
+    model, critic = Bigram(), Critic()
+    w0 = model.W.detach().clone()
+    m = models(model)
+    m.critic, m.critic_optimizer = critic, torch.optim.SGD(critic.parameters(), lr=0.0)
+    b = as_batch(batch(), seats=seats, turns=turns, final_reward=final, step_reward=step,
+                 transform=lambda v: transform_values([transform], table, v))
+    out = a2c.update(m, b, A2CArgs(mini_batch_size=2, grad_clip=1e9, max_generation_len=4), CPU)
+    # turn rewards r = (step - final) + final at the seat's last turn: [1.5, 1.0], [-2.0]; summed to go
+    gae_adv = [1.5 + 1.0, 1.0, -2.0]
+    by = {"EnvA": [0, 1], "EnvB": [2]} if isinstance(transform, NormalizeRewardsByEnv) else {"*": [0, 1, 2]}
+    want = [0.0] * 3
+    for rows in by.values():
+        vals = np.array([gae_adv[i] for i in rows])
+        for i in rows:
+            want[i] = (gae_adv[i] - vals.mean()) / ((vals.std() + 1e-8) if transform.z_score else 1.0)
+    torch.testing.assert_close(model.W.grad, hand(w0, "constant", adv=torch.tensor(want))[1], **TOL)
+    assert out["advantage_mean"] == pytest.approx(np.mean(want), abs=1e-9)
+    assert out["advantage_std"] == pytest.approx(np.std(want), abs=1e-9)
+    # The critic's target stays the untransformed return (GAE + V, V = 0).
+    assert out["value_loss"] == pytest.approx(0.5 * np.mean(np.square(gae_adv)), abs=1e-6)
+
+
 # ---------------------------------------------------------------- GRPO
 
 class BigramWithBase(Bigram):
@@ -91,26 +141,30 @@ def _logp(W, prev, tok):
     return torch.log_softmax(W[prev], -1)[tok].item()
 
 
-def grpo_hand(W, base, ratios, eps, kl_coef, L=4):
-    """Loss and dL/dW token by token: ratio r given per token (None = on-policy, r = 1)."""
-    n = len(ADV)
-    loss, grad = 0.0, torch.zeros_like(W)
-    for (i, prev, tok), r in zip(_steps(), ratios):
+def grpo_hand(W, base, old, eps, kl_coef, rows=(0, 1, 2), L=4):
+    """Loss, dL/dW and the tokens whose gradient the clip removed, token by token, over the
+    samples `rows` (one optimizer step's mini-batch); `old` = log pi_old per completion token."""
+    loss, grad, acting = 0.0, torch.zeros_like(W), 0
+    for (i, prev, tok), lp_old in zip(_steps(), old):
+        if i not in rows:
+            continue
         A = ADV[i].item()
-        r = 1.0 if r is None else r
+        lp, ref = _logp(W, prev, tok), _logp(base, prev, tok)
+        r = math.exp(lp - lp_old)
         obj = min(r * A, min(max(r, 1 - eps), 1 + eps) * A)
         # The clipped branch is the minimum (and constant) only outside the range on the side
         # where clipping lowers the objective; elsewhere d obj / d logp = r * A.
-        d_obj = 0.0 if (A > 0 and r > 1 + eps) or (A < 0 and r < 1 - eps) else r * A
-        lp, ref = _logp(W, prev, tok), _logp(base, prev, tok)
+        clipped = (A > 0 and r > 1 + eps) or (A < 0 and r < 1 - eps)
+        d_obj = 0.0 if clipped else r * A
+        acting += clipped
         k3 = math.exp(ref - lp) - (ref - lp) - 1
         d_k3 = 1 - math.exp(ref - lp)
-        loss += -(obj - kl_coef * k3) / L / n
+        loss += -(obj - kl_coef * k3) / L / len(rows)
         probs = torch.softmax(W[prev], -1)
         onehot = torch.zeros(W.shape[1], dtype=W.dtype)
         onehot[tok] = 1
-        grad[prev] += -(d_obj - kl_coef * d_k3) / L / n * (onehot - probs)
-    return loss, grad
+        grad[prev] += -(d_obj - kl_coef * d_k3) / L / len(rows) * (onehot - probs)
+    return loss, grad, acting
 
 
 # Behaviour ratios per completion token: sample 0 (A > 0) has one token clipped above, sample 1
@@ -131,28 +185,28 @@ def _old_logprobs(W):
 def test_grpo_loss_and_grads_equal_hand_computation(kl_coef, mini):
     model = BigramWithBase()
     w0 = model.W.detach().clone()
-    tokens = batch()
-    old, has_old = behaviour_logprobs(tokens, _old_logprobs(w0))
-    assert has_old.tolist() == [True, True, False]
+    b = as_batch(batch(), logprobs=_old_logprobs(w0))
+    assert b.has_old.tolist() == [True, True, False]
     args = GRPOArgs(mini_batch_size=mini, grad_clip=1e9, normalization="constant", max_generation_len=4,
                     clip_ratio=0.2, kl_coef=kl_coef)
-    m = update(model, torch.optim.SGD(model.parameters(), lr=0.0), tokens, ADV, old, has_old, args, CPU)
-    loss, grad = grpo_hand(w0, model.base, RATIOS, 0.2, kl_coef)
+    m = update(models(model), b, args, CPU)
+    old = [_logp(w0, prev, tok) - math.log(r or 1.0) for (_, prev, tok), r in zip(_steps(), RATIOS)]
+    loss, grad, acting = grpo_hand(w0, model.base, old, 0.2, kl_coef)
     assert m["loss"] == pytest.approx(loss, abs=1e-6)  # behaviour logprobs are stored as float32
-    torch.testing.assert_close(model.W.grad, grad, rtol=0, atol=1e-6)
-    assert m["clip_frac"] == pytest.approx(3 / 6)
-    assert (m["kl"] > 0) == (kl_coef > 0)
+    torch.testing.assert_close(model.W.grad, grad, **TOL)
+    # Clipping acts on 2 of 6 tokens: 1.5 with A > 0 and 0.5 with A < 0 (1.3 with A < 0 is outside
+    # the range too, but there the unclipped term is the minimum: its gradient stays).
+    assert m["clip_frac"] == pytest.approx(2 / 6) and acting == 2
+    assert (m["kl"] > 0) == (kl_coef > 0) and m["optimizer_steps"] == 1
 
 
 def test_grpo_on_policy_without_kl_is_reinforce():
     """No behaviour logprobs: ratio 1 with the REINFORCE gradient, token for token."""
     model = BigramWithBase()
     w0 = model.W.detach().clone()
-    tokens = batch()
-    old, has_old = behaviour_logprobs(tokens, [None, None, None])
     args = GRPOArgs(mini_batch_size=3, grad_clip=1e9, normalization="token-mean", max_generation_len=4)
-    update(model, torch.optim.SGD(model.parameters(), lr=0.0), tokens, ADV, old, has_old, args, CPU)
-    torch.testing.assert_close(model.W.grad, hand(w0, "token-mean")[1], rtol=0, atol=1e-12)
+    update(models(model), as_batch(batch()), args, CPU)
+    torch.testing.assert_close(model.W.grad, hand(w0, "token-mean")[1], **TOL)
 
 
 def test_behaviour_logprobs_are_used_only_where_they_line_up():

@@ -1,4 +1,5 @@
-"""REINFORCE loss and gradients on tiny tensors equal a hand computation; prompt and padding add nothing."""
+"""REINFORCE loss and gradients on tiny tensors equal a hand computation; prompt and padding add nothing;
+the learner's token ids are exactly the engine's."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from unstable_dask.reinforce import ReinforceArgs, Tokens, tokenize, update
+from unstable_dask.algorithms import Batch
+from unstable_dask.policy import Tokens, behaviour_logprobs, tokenize
+from unstable_dask.reinforce import ReinforceArgs, update
 
 V = 5
 
@@ -25,22 +28,41 @@ class Bigram(torch.nn.Module):
 
 
 def batch(pad=0):
-    # sample 0: prompt [1, 2], completion [3, 4]; sample 1: prompt [0], completion [2, 2, 1]
-    ids = torch.tensor([[1, 2, 3, 4, pad], [0, 2, 2, 1, pad], [4, 1, 0, pad, pad]])
+    # sample 0: prompt [1, 2], completion [3, 4]; sample 1: prompt [0], completion [2, 2, 1];
+    # sample 2: prompt [4, 2], completion [0] (it shares W[2] with the others: one step moves all)
+    ids = torch.tensor([[1, 2, 3, 4, pad], [0, 2, 2, 1, pad], [4, 2, 0, pad, pad]])
     att = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
     lm = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 0], [0, 0, 1, 0, 0]])
     return Tokens(ids, att, lm, torch.tensor([1, 0, 1]), torch.zeros(3, dtype=torch.bool))
 
 
-ADV = torch.tensor([1.5, -0.5, 2.0])
+ADV = torch.tensor([1.5, -0.5, 2.0], dtype=torch.float64)
 COMPLETIONS = [(1, [3, 4]), (0, [2, 2, 1]), (1, [0])]  # (last prompt index, completion tokens)
-PROMPTS = [[1, 2], [0], [4, 1]]
+PROMPTS = [[1, 2], [0], [4, 2]]
+CPU = torch.device("cpu")
+TOL = dict(rtol=0, atol=1e-6)  # the learner's log-probs are float32 (sampling.py)
 
 
-def hand(W, normalization, L=4):
+def models(model, lr=0.0):
+    return SimpleNamespace(policy=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+                           critic=None, critic_optimizer=None)
+
+
+def as_batch(tokens, adv=ADV, temperature=1.0, top_p=1.0, logprobs=(None, None, None), **extra):
+    """The Batch the trainer would build for these tokens (one round's sampling settings)."""
+    n = tokens.input_ids.shape[0]
+    old, has_old = behaviour_logprobs(tokens, list(logprobs))
+    seats = extra.pop("seats", [(0, f"g{i}", 0) for i in range(n)])
+    return Batch(tokens=tokens, advantages=adv, temperature=[temperature] * n, top_p=[top_p] * n,
+                 old_logp=old, has_old=has_old, seats=seats, turns=extra.pop("turns", [0] * n),
+                 final_reward=extra.pop("final_reward", [0.0] * n), step_reward=extra.pop("step_reward", [0.0] * n),
+                 **extra)
+
+
+def hand(W, normalization, L=4, adv=ADV):
     """loss = -mean_i A_i * s_i, s_i = sum_t log softmax(W[prev])[tok] / norm; dL/dW analytic."""
     W = W.detach().double()
-    n = len(ADV)
+    n = len(adv)
     loss, grad = 0.0, torch.zeros_like(W)
     for i, (p, comp) in enumerate(zip(PROMPTS, [c for _, c in COMPLETIONS])):
         seq = p + comp
@@ -52,8 +74,8 @@ def hand(W, normalization, L=4):
             s += math.log(probs[tok])
             onehot = torch.zeros(V, dtype=torch.float64)
             onehot[tok] = 1
-            grad[prev] += -ADV[i].item() / n / norm * (onehot - probs)
-        loss += -ADV[i].item() * s / norm / n
+            grad[prev] += -float(adv[i]) / n / norm * (onehot - probs)
+        loss += -float(adv[i]) * s / norm / n
     return loss, grad
 
 
@@ -62,22 +84,55 @@ def hand(W, normalization, L=4):
 def test_loss_and_grads_equal_hand_computation(normalization, mini):
     model = Bigram()
     w0 = model.W.detach().clone()
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
     args = ReinforceArgs(mini_batch_size=mini, grad_clip=1e9, normalization=normalization, max_generation_len=4)
-    m = update(model, opt, batch(), ADV, args, torch.device("cpu"))
+    m = update(models(model, lr=1.0), as_batch(batch()), args, CPU)
     loss, grad = hand(w0, normalization)
-    assert m["loss"] == pytest.approx(loss, abs=1e-12)
-    torch.testing.assert_close(model.W.grad, grad, rtol=0, atol=1e-12)
-    torch.testing.assert_close(model.W.detach(), w0 - grad, rtol=0, atol=1e-12)  # one SGD step, lr 1
+    assert m["loss"] == pytest.approx(loss, abs=1e-6)
+    torch.testing.assert_close(model.W.grad, grad, **TOL)
+    torch.testing.assert_close(model.W.detach(), w0 - grad, **TOL)  # one SGD step, lr 1
+
+
+def test_log_probs_are_those_of_the_sampling_distribution():
+    """At temperature T the gradient is that of log softmax(W / T): REINFORCE on what was sampled."""
+    model = Bigram()
+    w0 = model.W.detach().clone()
+    update(models(model), as_batch(batch(), temperature=0.5),
+           ReinforceArgs(mini_batch_size=3, grad_clip=1e9, max_generation_len=4), CPU)
+    loss, grad = hand(w0 / 0.5, "constant")
+    torch.testing.assert_close(model.W.grad, grad / 0.5, **TOL)  # chain rule through W / T
+
+
+def test_a_token_outside_the_nucleus_adds_no_gradient_and_no_nan():
+    """At T = 0.7, top_p = 0.95 three completion tokens fall outside W's nucleus (probability 0
+    under the sampling distribution): they add nothing; the others get the gradient of the
+    renormalised nucleus, (1/T) (onehot - pi_b) on the nucleus and 0 off it."""
+    from unstable_dask.sampling import sampling_logprobs
+    model = Bigram()
+    w0 = model.W.detach().clone()
+    m = update(models(model), as_batch(batch(), temperature=0.7, top_p=0.95),
+               ReinforceArgs(mini_batch_size=2, grad_clip=1e9, max_generation_len=4), CPU)
+    want, outside = torch.zeros_like(w0), 0
+    for i, (p, (_, comp)) in enumerate(zip(PROMPTS, COMPLETIONS)):
+        seq = p + comp
+        for t in range(len(p), len(seq)):
+            prev, tok = seq[t - 1], seq[t]
+            pb = sampling_logprobs(w0[prev], 0.7, 0.95).exp().double()
+            if pb[tok] == 0:
+                outside += 1
+                continue
+            onehot = torch.zeros(V, dtype=torch.float64)
+            onehot[tok] = 1
+            want[prev] += -ADV[i].item() / 3 / 4 / 0.7 * (onehot - pb) * (pb > 0)
+    assert outside == 3 and math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
+    torch.testing.assert_close(model.W.grad, want, **TOL)
 
 
 def test_prompt_and_padding_contribute_nothing():
     """Changing pad ids, or what the prompt says about its own tokens, leaves loss and grads unchanged."""
     def run(tokens):
         model = Bigram()
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        m = update(model, opt, tokens, ADV, ReinforceArgs(mini_batch_size=3, grad_clip=1e9, max_generation_len=4),
-                   torch.device("cpu"))
+        m = update(models(model), as_batch(tokens), ReinforceArgs(mini_batch_size=3, grad_clip=1e9, max_generation_len=4),
+                   CPU)
         return m["loss"], model.W.grad.clone()
 
     l0, g0 = run(batch(pad=0))
@@ -94,26 +149,38 @@ def test_prompt_and_padding_contribute_nothing():
 
 def test_grad_clip_bounds_the_update():
     model = Bigram()
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    m = update(model, opt, batch(), ADV * 100, ReinforceArgs(mini_batch_size=3, grad_clip=0.2, max_generation_len=4),
-               torch.device("cpu"))
+    m = update(models(model, lr=1.0), as_batch(batch(), ADV * 100),
+               ReinforceArgs(mini_batch_size=3, grad_clip=0.2, max_generation_len=4), CPU)
     assert m["grad_norm"] > 0.2
     assert model.W.grad.norm().item() == pytest.approx(0.2, rel=1e-6)
 
 
-def test_tokenize_masks_prompt_and_padding_and_appends_eos():
-    from unstable_dask.models import resolve_model
+def test_tokenize_trains_on_the_engine_s_ids_and_masks_prompt_and_padding():
+    """Prompt ids are encode_prompts' (the engines' function) with the row's budget; completion ids
+    are taken as stored, EOS included only when the engine generated it; nothing is re-encoded."""
     from transformers import AutoTokenizer
+
+    from unstable_dask.config import JobError
+    from unstable_dask.engines import encode_prompts
+    from unstable_dask.models import resolve_model
+    from unstable_dask.policy import prompt_ids
     tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny"))
-    prompts = ["<|im_start|>user\nPick a number<|im_end|>\n<|im_start|>assistant\n", "hi"]
-    completions = ["I pick [0]", "a much longer completion text here"]
-    t = tokenize(tok, prompts, completions, [True, False], None, tok.pad_token_id)
-    n_p = len(tok(prompts[0], add_special_tokens=False)["input_ids"])
-    n_c = len(tok(completions[0], add_special_tokens=False)["input_ids"]) + 1
-    assert t.loss_mask[0, :n_p].sum() == 0 and t.loss_mask[0].sum() == n_c
-    assert t.input_ids[0, n_p + n_c - 1] == tok.eos_token_id
-    assert t.attention_mask[0].sum() == n_p + n_c and t.loss_mask[0, n_p + n_c:].sum() == 0
-    assert int(t.last_prompt[0]) == n_p - 1
-    cut = tokenize(tok, prompts, completions, [True, False], 8, tok.pad_token_id)
-    assert cut.attention_mask.sum(-1).max() <= 8 and bool(cut.truncated[0])
-    assert cut.loss_mask[1].sum() == min(8 - 1, len(tok(completions[1], add_special_tokens=False)["input_ids"]))
+    prompts = ["<|im_start|>user\nPick a number<|im_end|>\n<|im_start|>assistant\n", "hi there, a longer prompt"]
+    full = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    fed = [len(full[0]), 3]  # the engine fed the second prompt left-truncated to a budget of 3
+    ids = prompt_ids(tok, prompts, fed, ["a", "b"])
+    assert ids == [full[0], full[1][-3:]] == [encode_prompts(tok, prompts[:1], 10**6)[0], encode_prompts(tok, prompts[1:], 3)[0]]
+    # Ids a decode -> re-encode round trip need not give back, and the EOS the engine sampled.
+    completions = [[tok.convert_tokens_to_ids("I"), 17, 17, tok.eos_token_id], [5, 6, 7, 8, 9, 10]]
+    t = tokenize(ids, completions, None, tok.pad_token_id)
+    n_p = len(full[0])
+    assert t.input_ids[0, :n_p + 4].tolist() == full[0] + completions[0]
+    assert t.loss_mask[0, :n_p].sum() == 0 and t.loss_mask[0].sum() == 4 and int(t.last_prompt[0]) == n_p - 1
+    assert t.input_ids[1, :9].tolist() == full[1][-3:] + completions[1] and t.attention_mask[1].sum() == 9
+    assert t.loss_mask[1, 9:].sum() == 0 and t.attention_mask[0, n_p + 4:].sum() == 0
+    cut = tokenize(ids, completions, 8, tok.pad_token_id)
+    assert cut.attention_mask.sum(-1).max() <= 8 and cut.truncated.tolist() == [True, True]
+    assert cut.loss_mask[1].sum() == 6 and cut.input_ids[1, :8].tolist() == full[1][-2:] + completions[1]
+    n = len(full[1])
+    with pytest.raises(JobError, match=f"turn 0 of game g: the prompt encodes to {n} tokens but the engine fed {n + 1}"):
+        prompt_ids(tok, prompts[1:], [n + 1], ["turn 0 of game g"])

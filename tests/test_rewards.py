@@ -1,6 +1,7 @@
 """Every built-in reward transform equals a plain-Python reference of the UB math (to 1e-9)."""
 from __future__ import annotations
 
+import math
 import random
 from collections import defaultdict
 
@@ -19,8 +20,10 @@ from unstable_dask.rewards import (GroupRelativeAdvantage, NormalizeRewards, Nor
 RUN = "t"
 
 
-def make_lake(root, rounds=3, games=40, seed=0, first=1):
-    """Random committed rounds: mirror and vs-random train games, eval games, two envs."""
+def make_lake(root, rounds=3, games=40, seed=0, first=1, encode=None):
+    """Random committed rounds: mirror and vs-random train games, eval games, two envs; games of
+    one env and seed in a round form a group. `encode` (text -> ids) makes prompt_tokens and
+    completion_token_ids what an engine with that tokenizer would have written."""
     rng = random.Random(seed)
     for r in range(first, first + rounds):
         games_rows, turns_rows = [], []
@@ -30,6 +33,7 @@ def make_lake(root, rounds=3, games=40, seed=0, first=1):
             split = "eval" if rng.random() < 0.2 else "train"
             mirror = rng.random() < 0.6
             gseed = rng.randrange(6)  # few seeds, so GRPO groups have several members
+            group = f"r{r}-{env}-{gseed}"
             seats = []
             for pid in range(2):
                 learner = mirror or pid == 0
@@ -37,20 +41,24 @@ def make_lake(root, rounds=3, games=40, seed=0, first=1):
                                   role=f"Player {pid}", reward=rng.choice([-1.0, 0.0, 1.0, rng.uniform(-2, 2)]),
                                   invalid_move=False, reason=""))
             n = rng.randrange(1, 6)
-            games_rows.append(dict(game_id=gid, split=split, env_id=env, seed=gseed, num_players=2, num_turns=n,
-                                   seats=seats))
+            games_rows.append(dict(game_id=gid, split=split, env_id=env, seed=gseed, group_id=group, num_players=2,
+                                   num_turns=n, seats=seats))
             for t in range(n):
                 pid = t % 2
                 learner = seats[pid]["is_learner"]
+                prompt, n_c = f"p{gseed}-{t % 3}", rng.randrange(1, 9)
                 turns_rows.append(dict(
                     game_id=gid, turn=t, pid=pid, model_uid=seats[pid]["model_uid"], is_learner=learner,
-                    split=split, env_id=env, seed=gseed, observation="obs",
-                    prompt=f"p{gseed}-{t % 3}" if learner else None, completion="c" if learner else None,
+                    split=split, env_id=env, seed=gseed, group_id=group, observation="obs",
+                    prompt=prompt if learner else None, completion="c" if learner else None,
                     action="[0]", format_ok=rng.random() < 0.7, invalid_move=rng.random() < 0.2,
-                    prompt_tokens=5, completion_tokens=rng.randrange(1, 9), truncated=False, logprobs=None))
+                    prompt_tokens=len(encode(prompt)) if encode else 5, completion_tokens=n_c,
+                    completion_token_ids=[rng.randrange(3, 300) for _ in range(n_c)] if learner else None,
+                    truncated=False, logprobs=None))
         lk.write_table(root, "games", RUN, r, "task0", games_rows)
         lk.write_table(root, "turns", RUN, r, "task0", turns_rows)
-        lk.commit_round(root, RUN, r, dict(checkpoint_uid="ckpt", games=len(ids)))
+        lk.commit_round(root, RUN, r, dict(checkpoint_uid="ckpt", games=len(ids), temperature=1.0, top_p=1.0,
+                                           max_new_tokens=8))
     return root
 
 
@@ -68,10 +76,10 @@ def ref_final(root, tau, by_env, upto):
 
 def ref_steps(root, final, rounds, step):
     con = lk.connect(root)
-    rows = con.sql(f"SELECT round, game_id, turn, pid, env_id, seed, prompt, format_ok, invalid_move FROM turns "
+    rows = con.sql(f"SELECT round, game_id, turn, pid, env_id, group_id, prompt, format_ok, invalid_move FROM turns "
                    f"WHERE run = '{RUN}' AND split = 'train' AND is_learner AND prompt IS NOT NULL").fetchall()
     out = {}
-    for rnd, gid, turn, pid, env, seed, prompt, fmt, inv in rows:
+    for rnd, gid, turn, pid, env, group, prompt, fmt, inv in rows:
         if rnd not in rounds:
             continue
         r = final[(rnd, gid, pid)]
@@ -80,7 +88,7 @@ def ref_steps(root, final, rounds, step):
                 r += t.reward if fmt else t.penalty
             else:
                 r += t.penalty if inv else t.reward
-        out[(rnd, gid, turn, pid)] = dict(r=r, env=env, seed=seed, prompt=prompt)
+        out[(rnd, gid, turn, pid)] = dict(r=r, env=env, group=(group, pid), game=(rnd, gid), prompt=prompt)
     return out
 
 
@@ -100,9 +108,23 @@ def ref_sampling(rows, transform):
     elif isinstance(transform, NormalizeRewards):
         gkey = lambda x: 0  # noqa: E731
         norm(keys, transform.z_score)
-    else:
-        gkey = (lambda x: (x["env"], x["seed"])) if transform.by == "seed" else (lambda x: x["prompt"])  # noqa: E731
+    elif transform.by == "prompt":
+        gkey = lambda x: x["prompt"]  # noqa: E731
         norm(keys, True)
+    else:  # (group_id, pid) groups; every attempt (game) weighs the same: each of its n turns 1/n
+        groups = defaultdict(list)
+        for k in keys:
+            groups[rows[k]["group"]].append(k)
+        for members in groups.values():
+            n_turns = defaultdict(int)
+            for k in members:
+                n_turns[rows[k]["game"]] += 1
+            w = np.array([1 / n_turns[rows[k]["game"]] for k in members])
+            r = np.array([rows[k]["r"] for k in members])
+            mu = (w * r).sum() / w.sum()
+            sd = np.sqrt((w * (r - mu) ** 2).sum() / w.sum())
+            for k, v in zip(members, r):
+                rows[k]["r"] = (v - mu) / (sd + 1e-8)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +173,26 @@ def test_sampling_transforms_match_reference_over_the_sampled_batch(lake, sampli
         assert r["step_reward"] == pytest.approx(ref_all[k]["r"], abs=1e-9)
 
 
+def test_group_advantage_weighs_every_attempt_equally():
+    """Group (x, 0): attempts a (won in 2 turns), b (lost in 1), c (won in 3): mu and sd are those
+    of the outcomes [1, -1, 1], not of the 6 turns; group (x, 1), all lost, gets 0; a group of one
+    game with step shaping is z-scored over its turns."""
+    con = duckdb.connect()
+    games = ["a", "a", "b", "c", "c", "c", "a", "b", "d", "d"]
+    pids = [0] * 6 + [1, 1, 0, 0]
+    groups = ["x"] * 8 + ["y", "y"]
+    rewards = [1.0, 1.0, -1.0, 1.0, 1.0, 1.0, -1.0, -1.0, 0.5, 2.5]
+    con.register("b", pa.table({"group_id": groups, "pid": pids, "round": [0] * 10, "game_id": games,
+                                "turn": list(range(10)), "reward": rewards}))
+    got = [r[0] for r in con.sql(f"SELECT reward FROM ({GroupRelativeAdvantage().sql('b')}) ORDER BY turn").fetchall()]
+    mu, sd = 1 / 3, math.sqrt(((2 / 3) ** 2 * 2 + (4 / 3) ** 2) / 3)
+    win, loss = (1 - mu) / sd, (-1 - mu) / sd
+    assert got == pytest.approx([win, win, loss, win, win, win, 0.0, 0.0, -1.0, 1.0], abs=1e-7)
+    assert (win, loss) == pytest.approx((math.sqrt(0.5), -math.sqrt(2)))  # GRPO over the 3 outcomes
+    with pytest.raises(ValueError):
+        GroupRelativeAdvantage("seed")  # the old per-seed grouping mixed seats and had no repeats
+
+
 @pytest.mark.parametrize("tau", [0.001, 0.01, 0.3, 0.9])
 def test_ema_is_exact_over_long_histories(tau):
     """Past the block length (where (1-tau)^-k would overflow) the SQL EMA still equals the loop."""
@@ -186,7 +228,7 @@ def test_query_is_deterministic_for_a_seed(lake):
     assert a.column("game_id").to_pylist() != c.column("game_id").to_pylist()
 
 
-@pytest.mark.parametrize("unit,cols", [("seat", ("round", "game_id", "pid")), ("group", ("env_id", "seed"))])
+@pytest.mark.parametrize("unit,cols", [("seat", ("round", "game_id", "pid")), ("group", ("group_id", "pid"))])
 def test_unit_sampling_takes_whole_units(lake, unit, cols):
     rounds = window_rounds(lake, RUN, "all")
     con = lk.connect(lake)

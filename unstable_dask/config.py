@@ -14,6 +14,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import algorithms
+
 
 class JobError(Exception):
     """A mistake in user input (job file, CLI value, SQL). Printed as one line, exit code 2."""
@@ -147,9 +149,12 @@ class RoundConfig(_Strict):
 
 
 class LearnConfig(_Strict):
-    algorithm: Literal["reinforce", "a2c", "grpo"] = "reinforce"
+    algorithm: str = "reinforce"  # a name in algorithms.ALGORITHMS
     batch_size: int = Field(32, gt=0)
-    mini_batch_size: int = Field(8, gt=0)
+    mini_batch_size: int = Field(8, gt=0)  # micro-batch: rows per forward/backward (gradient accumulation)
+    # PPO-style updates (algorithms with a clipped ratio): passes over one batch, rows per optimizer step
+    ppo_epochs: int = Field(1, gt=0)
+    ppo_mini_batch_size: Optional[int] = Field(None, gt=0)  # default: the whole batch, one step per epoch
     lr: float = Field(1e-5, gt=0.0)
     critic_lr: float = Field(5e-5, gt=0.0)
     grad_clip: float = Field(0.2, gt=0.0)
@@ -163,18 +168,33 @@ class LearnConfig(_Strict):
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     gae_lambda: float = Field(1.0, ge=0.0, le=1.0)
     clip_ratio: float = Field(0.2, gt=0.0)
+    gspo_clip_low: float = Field(3e-4, gt=0.0, lt=1.0)  # GSPO's sequence-ratio clip range
+    gspo_clip_high: float = Field(4e-4, gt=0.0)
     kl_coef: float = Field(0.0, ge=0.0)
     gradient_checkpointing: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Reward transforms, as built-in names with arguments (e.g. "RewardForFormat(1.5)") or raw SQL.
-    final_transforms: list[str] = ["RoleAdvantageByEnvFormatter()"]
+    # Left out, final and sampling transforms are the algorithm's defaults (its SPEC); listed, exactly those.
+    final_transforms: Optional[list[str]] = None
     step_transforms: list[str] = ["RewardForFormat(1.5)", "PenaltyForInvalidMove(1.0, -1.0)"]
-    sampling_transforms: list[str] = ["NormalizeRewardsByEnv(z_score=True)"]
+    sampling_transforms: Optional[list[str]] = None
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, v: str) -> str:
+        if v not in algorithms.ALGORITHMS:
+            raise ValueError(f"unknown algorithm {v!r}; expected one of {', '.join(algorithms.ALGORITHMS)}")
+        return v
 
     @model_validator(mode="after")
     def _mini(self) -> "LearnConfig":
         if self.mini_batch_size > self.batch_size:
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must be <= batch_size ({self.batch_size})")
+        spec = algorithms.spec(self.algorithm)
+        if self.final_transforms is None:
+            self.final_transforms = list(spec.final_transforms)
+        if self.sampling_transforms is None:
+            self.sampling_transforms = list(spec.sampling_transforms)
         return self
 
 
@@ -237,7 +257,25 @@ def validate_job(raw: dict, source: str = "<default>") -> Job:
     except ValidationError as err:
         raise JobError(_format_error(source, err, raw)) from None
     job.source = source
+    _check_algorithm(job)
     return job
+
+
+def _check_algorithm(job: Job) -> None:
+    """What the chosen algorithm's SPEC requires of the rest of the job."""
+    learn, spec = job.learn, algorithms.spec(job.learn.algorithm)
+    where = f"{job.source}: key 'learn.algorithm' has value {learn.algorithm!r}"
+    if spec.needs_groups and job.round.group_size < 2:
+        raise JobError(f"{where}: its advantages compare G attempts of one start state; "
+                       f"set round.group_size >= 2 (it is {job.round.group_size})")
+    if not spec.ppo_epochs and (learn.ppo_epochs != 1 or learn.ppo_mini_batch_size is not None):
+        ppo = ", ".join(n for n in algorithms.ALGORITHMS if algorithms.spec(n).ppo_epochs)
+        raise JobError(f"{where}: it makes one optimizer step per batch; learn.ppo_epochs and "
+                       f"learn.ppo_mini_batch_size apply to {ppo}")
+    if learn.ppo_mini_batch_size is not None and not learn.mini_batch_size <= learn.ppo_mini_batch_size <= learn.batch_size:
+        raise JobError(f"{job.source}: key 'learn.ppo_mini_batch_size' has value {learn.ppo_mini_batch_size}: "
+                       f"it must lie between learn.mini_batch_size ({learn.mini_batch_size}) "
+                       f"and learn.batch_size ({learn.batch_size})")
 
 
 def load_job(path: Union[str, Path, None] = None, overrides: Optional[dict] = None) -> Job:

@@ -24,14 +24,17 @@ from typing import Optional, Union
 
 import pyarrow as pa
 
+import duckdb
+
+from . import algorithms
 from . import lake as lk
 from .config import Job, JobError
-from .rewards import GroupRelativeAdvantage, batch_query, parse_transforms, run_batch_query, window_rounds
+from .rewards import batch_query, parse_transforms, run_batch_query, window_rounds
 
 LEARNER_STEPS = pa.schema([
     ("update", pa.int32()), ("algorithm", pa.string()), ("checkpoint_uid", pa.string()),
     ("loss", pa.float64()), ("pg_loss", pa.float64()), ("value_loss", pa.float64()), ("value_mae", pa.float64()),
-    ("kl", pa.float64()), ("clip_frac", pa.float64()), ("logp_mean", pa.float64()),
+    ("kl", pa.float64()), ("clip_frac", pa.float64()), ("logp_mean", pa.float64()), ("optimizer_steps", pa.int32()),
     ("grad_norm", pa.float64()), ("critic_grad_norm", pa.float64()), ("lr", pa.float64()), ("critic_lr", pa.float64()),
     ("samples", pa.int64()), ("tokens", pa.int64()), ("train_tokens", pa.int64()), ("tokens_per_s", pa.float64()),
     ("step_time_s", pa.float64()), ("mean_train_len", pa.float64()), ("pct_truncated", pa.float64()),
@@ -43,7 +46,6 @@ LEARNER_STEPS = pa.schema([
     ("engine_sleep_s", pa.float64()), ("engine_wake_s", pa.float64()), ("cuda_free_engine_asleep", pa.int64()),
     ("created_at", pa.timestamp("us", tz="UTC")),
 ])
-UNIT = {"reinforce": "turn", "a2c": "seat", "grpo": "group"}
 
 
 @dataclass
@@ -104,11 +106,30 @@ def build_query(job: Job, p: Plan, update: int = 0, con=None) -> str:
     cfg = job.learn
     final = parse_transforms(cfg.final_transforms, "final", con)
     step = parse_transforms(cfg.step_transforms, "step", con)
-    sampling = parse_transforms(cfg.sampling_transforms, "sampling", con)
-    if cfg.algorithm == "grpo" and not any(isinstance(t, GroupRelativeAdvantage) for t in sampling):
-        sampling.append(GroupRelativeAdvantage())  # GRPO's advantage is group-relative by definition
+    spec = algorithms.spec(cfg.algorithm)
+    # Sampling transforms on the rewards here, or by the update on its own advantages (A2C).
+    sampling = parse_transforms(cfg.sampling_transforms, "sampling", con) if spec.sampling_on == "rewards" else []
     return batch_query(p.run, p.rounds, cfg.batch_size, batch_seed(job, p.iteration, update),
-                       final, step, sampling, unit=UNIT[cfg.algorithm])
+                       final, step, sampling, unit=spec.unit)
+
+
+def check_exact_tokens(con: duckdb.DuckDBPyConnection, job: Job, p: Plan) -> None:
+    """The learner trains on the ids the engine generated, under the round's sampling settings:
+    rounds played before the lake recorded them (completion_token_ids, group_id, the commit row's
+    temperature / top_p) cannot be trained on exactly, so they are refused, not approximated."""
+    rounds = ", ".join(str(int(r)) for r in p.rounds)
+    try:
+        old = con.execute(f"""SELECT DISTINCT round FROM turns WHERE run = ? AND round IN ({rounds}) AND split = 'train'
+            AND is_learner AND prompt_tokens > 0 AND (completion_token_ids IS NULL OR group_id IS NULL)
+            UNION SELECT round FROM rounds WHERE run = ? AND round IN ({rounds})
+            AND (temperature IS NULL OR top_p IS NULL) ORDER BY 1""", [p.run, p.run]).fetchall()
+    except duckdb.BinderException:  # no file of the lake has the columns yet
+        old = [(r,) for r in p.rounds]
+    if old:
+        raise JobError(f"{job.source}: round(s) {[r for (r,) in old]} of run '{p.run}' in lake '{job.run.lake}' were "
+                       "played before the lake recorded exact token ids and sampling settings "
+                       "(turns.completion_token_ids, rounds.temperature); the learner trains only on those: "
+                       "play new rounds (learn.window) or start a new run")
 
 
 def resolve_device(job: Job) -> str:
@@ -136,6 +157,7 @@ def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None) 
         sql = build_query(job, p, 0, con)
         if show_sql:
             return sql
+        check_exact_tokens(con, job, p)
         if preview:
             table = run_batch_query(con, sql)
             cols = ["round", "game_id", "turn", "pid", "env_id", "env_reward", "final_reward", "step_reward", "advantage"]

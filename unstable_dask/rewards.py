@@ -8,6 +8,7 @@ The three UnstableBaselines pipelines, each a list of small objects that render 
             RewardForFormat(reward, penalty), PenaltyForInvalidMove(reward, penalty)
   sampling  over the sampled batch only:
             NormalizeRewards(z_score), NormalizeRewardsByEnv(z_score), GroupRelativeAdvantage(by)
+            (A2C applies these to its GAE advantages instead: transform_values)
 
 Every transform reads a relation and returns the same columns with `reward` rewritten. A job may
 also give raw SQL: one SELECT over the relation named after its stage (`final`, `steps` or
@@ -17,12 +18,13 @@ also give raw SQL: one SELECT over the relation named after its stage (`final`, 
                       (run, round, game_id, env_id, seed, pid, role, model_uid, is_learner,
                       env_reward, reward); only learner seats reach `steps`
   steps_0 .. steps    learner turns of the window's rounds joined with their seat's final reward
-                      (+ turn, format_ok, invalid_move, token counts, truncated, final_reward;
-                      no text: join `turns` for it)
+                      (+ turn, group_id, format_ok, invalid_move, token counts, truncated,
+                      final_reward; no text: join `turns` for it)
   batch_0 .. batch    `batch_size` rows of `steps`, chosen by ORDER BY hash(round, game_id, turn,
                       pid, seed) LIMIT n (deterministic, no random()), plus step_reward; or whole
-                      seats / (env_id, seed) groups in hash order up to batch_size rows;
-                      batch_0 adds prompt, completion and logprobs to the sampled rows
+                      seats / (group_id, pid) groups in hash order up to batch_size rows (at least
+                      one); batch_0 adds prompt, completion, completion_token_ids and logprobs from
+                      `turns` and the round's temperature and top_p from `rounds`
 and the query returns `batch` with `reward` renamed `advantage`, ordered by (round, game_id, turn).
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional, Sequence, Union
 
 import duckdb
+import pyarrow as pa
 
 from .config import JobError
 from .lake import check_select_only
@@ -148,17 +151,29 @@ class NormalizeRewardsByEnv:
 
 @dataclass(frozen=True)
 class GroupRelativeAdvantage:
-    """GRPO: (r - mean(G)) / (std(G) + 1e-8) over groups of the batch; by="seed" groups turns of
-    games with the same (env_id, seed), by="prompt" groups turns with the same prompt text."""
-    by: str = "seed"
+    """GRPO: z-score of the reward inside each group of the batch.
+
+    by="group" (default): a group is (group_id, pid), the G attempts of one seat of one start
+    state (round.group_size); every attempt (game) weighs the same however many turns it took:
+    w = 1/n_turns of the attempt, mu = sum w r / sum w, sd = sqrt(sum w (r - mu)^2 / sum w),
+    A = (r - mu) / (sd + 1e-8). With outcome rewards only, that is GRPO over the G outcomes.
+    by="prompt": turns with the same prompt text, each turn weighing the same.
+    """
+    by: str = "group"
     stage: ClassVar[str] = "sampling"
 
     def __post_init__(self) -> None:
-        if self.by not in ("seed", "prompt"):
-            raise ValueError(f"by must be 'seed' or 'prompt', got {self.by!r}")
+        if self.by not in ("group", "prompt"):
+            raise ValueError(f"by must be 'group' or 'prompt', got {self.by!r}")
 
     def sql(self, src: str) -> str:
-        return _normalize(src, "env_id, seed" if self.by == "seed" else "prompt", True)
+        if self.by == "prompt":
+            return _normalize(src, "prompt", True)
+        g = "PARTITION BY group_id, pid"
+        return f"""SELECT * EXCLUDE (_w, _mu)
+    REPLACE ((reward - _mu) / (sqrt(sum(_w * (reward - _mu) * (reward - _mu)) OVER ({g}) / sum(_w) OVER ({g})) + 1e-8) AS reward)
+  FROM (SELECT *, sum(_w * reward) OVER ({g}) / sum(_w) OVER ({g}) AS _mu
+        FROM (SELECT *, 1.0 / count(*) OVER ({g}, round, game_id) AS _w FROM {src}))"""
 
 
 BUILTINS = {c.__name__: c for c in (RoleAdvantageFormatter, RoleAdvantageByEnvFormatter, RewardForFormat,
@@ -223,13 +238,15 @@ def parse_transforms(texts: Sequence[str], stage: str,
 
 # ---------------------------------------------------------------- the composed query
 
-STEP_COLUMNS = ("turn", "model_uid", "format_ok", "invalid_move", "prompt_tokens", "completion_tokens", "truncated")
+STEP_COLUMNS = ("turn", "group_id", "model_uid", "format_ok", "invalid_move", "prompt_tokens", "completion_tokens",
+                "truncated")
 # Text columns are joined to the sampled rows only: carrying 1M prompts through the join and the
 # top-N sort costs seconds, fetching a batch's worth costs milliseconds.
-TEXT_COLUMNS = ("prompt", "completion", "logprobs")
+TEXT_COLUMNS = ("prompt", "completion", "completion_token_ids", "logprobs")
+# The sampling settings of each row's round (its commit row): the learner's log-probs use them.
+ROUND_COLUMNS = ("temperature", "top_p")
 
-
-_UNITS = {"seat": "round, game_id, pid", "group": "env_id, seed"}
+_UNITS = {"seat": "round, game_id, pid", "group": "group_id, pid"}
 
 
 def _sql_str(s: str) -> str:
@@ -242,7 +259,7 @@ def batch_query(run: str, rounds: Sequence[int], batch_size: int, seed: int,
     """The ONE query returning the learner's batch for the given (already resolved) window.
 
     `unit` is what is sampled: single turns (REINFORCE), whole seats of a game (A2C needs a seat's
-    turns in order for GAE) or whole (env_id, seed) groups (GRPO normalises inside a group).
+    turns in order for GAE) or whole (group_id, pid) groups (GRPO normalises inside a group).
     """
     if not rounds:
         raise ValueError("empty window")
@@ -253,23 +270,14 @@ def batch_query(run: str, rounds: Sequence[int], batch_size: int, seed: int,
          reward AS env_reward, reward
   FROM seats
   WHERE run = {_sql_str(run)} AND split = 'train' AND round <= {max(rounds)}""")]
-
-    def chain(name: str, transforms: Sequence[Transform], start: str) -> str:
-        prev = start
-        for i, t in enumerate(transforms, 1):
-            ctes.append((f"{name}_{i}", t.sql(prev)))
-            prev = f"{name}_{i}"
-        ctes.append((name, f"SELECT * FROM {prev}"))
-        return name
-
-    chain("final", final, "final_0")
+    _chain(ctes, "final", final, "final_0")
     cols = ", ".join(f"t.{c}" for c in STEP_COLUMNS)
     ctes.append(("steps_0", f"""SELECT f.run, f.round, f.game_id, f.env_id, f.seed, f.pid, f.role, {cols},
          f.env_reward, f.reward AS final_reward, f.reward
   FROM turns t JOIN final f ON t.run = f.run AND t.round = f.round AND t.game_id = f.game_id AND t.pid = f.pid
   WHERE t.run = {_sql_str(run)} AND t.round IN ({rounds_sql}) AND t.split = 'train' AND t.is_learner
     AND t.prompt_tokens > 0"""))
-    chain("steps", step, "steps_0")
+    _chain(ctes, "steps", step, "steps_0")
     if unit == "turn":
         ctes.append(("sample", f"""SELECT *, reward AS step_reward FROM steps
   ORDER BY hash(round, game_id, turn, pid, {int(seed)}), round, game_id, turn, pid
@@ -282,15 +290,52 @@ def batch_query(run: str, rounds: Sequence[int], batch_size: int, seed: int,
       FROM (SELECT {cols}, count(*) AS _n FROM steps GROUP BY {cols})
       WINDOW w AS (ORDER BY hash({cols}, {int(seed)}), {cols} ROWS UNBOUNDED PRECEDING))
     WHERE _cum <= {int(batch_size)} OR _k = 1) u USING ({cols})"""))
-    text = ", ".join(f"t.{c}" for c in TEXT_COLUMNS)
+    text = ", ".join([f"t.{c}" for c in TEXT_COLUMNS] + [f"r.{c}" for c in ROUND_COLUMNS])
     ctes.append(("batch_0", f"""SELECT b.*, {text}
   FROM sample b JOIN turns t ON t.run = b.run AND t.round = b.round AND t.game_id = b.game_id AND t.turn = b.turn
+    JOIN rounds r ON r.run = b.run AND r.round = b.round
   WHERE t.run = {_sql_str(run)} AND t.round IN ({rounds_sql})"""))
-    chain("batch", sampling, "batch_0")
+    _chain(ctes, "batch", sampling, "batch_0")
+    return f"{_with(ctes)}\nSELECT * EXCLUDE (reward), reward AS advantage FROM batch\nORDER BY round, game_id, turn, pid"
+
+
+def _chain(ctes: list[tuple[str, str]], name: str, transforms: Sequence[Transform], start: str) -> None:
+    """Append one CTE per transform, each reading the previous, and `name` for the last."""
+    prev = start
+    for i, t in enumerate(transforms, 1):
+        ctes.append((f"{name}_{i}", t.sql(prev)))
+        prev = f"{name}_{i}"
+    ctes.append((name, f"SELECT * FROM {prev}"))
+
+
+def _with(ctes: list[tuple[str, str]]) -> str:
     # Inlined, not materialized: a materialized 1M-row CTE chain costs seconds (DuckDB 1.4+ materializes by default).
-    body = ",\n".join(f"{n} AS NOT MATERIALIZED (\n  {s}\n)" for n, s in ctes)
-    return (f"WITH {body}\nSELECT * EXCLUDE (reward), reward AS advantage FROM batch\n"
-            f"ORDER BY round, game_id, turn, pid")
+    return "WITH " + ",\n".join(f"{n} AS NOT MATERIALIZED (\n  {s}\n)" for n, s in ctes)
+
+
+def transform_values(sampling: Sequence[Transform], batch, values: Sequence[float]) -> list[float]:
+    """The sampling transforms over the batch's rows with `reward` = `values`; the values they
+    return, in row order. For algorithms whose sampling transforms act on their own advantages
+    (A2C's GAE): the same SQL as in the batch query, run on the in-memory batch."""
+    if not sampling:
+        return [float(v) for v in values]
+    rows = batch.drop_columns([c for c in ("advantage", "reward", "_row") if c in batch.column_names])
+    rows = rows.append_column("reward", pa.array(values, pa.float64())).append_column(
+        "_row", pa.array(range(batch.num_rows), pa.int64()))
+    con = duckdb.connect(":memory:")
+    try:
+        con.register("batch_0", rows)
+        ctes: list[tuple[str, str]] = []
+        _chain(ctes, "batch", sampling, "batch_0")
+        out = con.sql(f"{_with(ctes)}\nSELECT reward FROM batch ORDER BY _row").fetchall()
+    except duckdb.Error as e:
+        raise JobError(f"learn.sampling_transforms: failed on the advantages ({str(e).splitlines()[0]})") from None
+    finally:
+        con.close()
+    if len(out) != batch.num_rows:
+        raise JobError(f"learn.sampling_transforms: returned {len(out)} rows for a batch of {batch.num_rows}; "
+                       "sampling transforms must keep every row")
+    return [r[0] for r in out]
 
 
 def window_rounds(lake, run: str, window: Union[str, int], upto: Optional[int] = None) -> list[int]:

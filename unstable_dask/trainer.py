@@ -1,9 +1,11 @@
-"""The learner's model state: base model + LoRA policy (+ A2C critic), optimizers, save/load.
+"""The learner's model state: base model + LoRA policy (+ a critic), optimizers, save/load, and
+the step that turns a batch query's rows into an algorithm's update (algorithms.py).
 
 A checkpoint directory is a standard peft adapter (adapter_config.json + adapter_model.safetensors,
 loadable by PeftModel.from_pretrained and vLLM's LoRARequest) plus what resuming exactly needs:
-optimizer.pt (AdamW state), trainer_state.json, and for A2C critic/ (its adapter, value_head.pt,
-critic_optimizer.pt). Precision: fp32 on CPU, bf16 base weights on CUDA (LoRA weights stay fp32).
+optimizer.pt (AdamW state), trainer_state.json, and when the algorithm has a critic (A2C) critic/
+(its adapter, value_head.pt, critic_optimizer.pt). Precision: fp32 on CPU, bf16 base weights on
+CUDA (LoRA weights stay fp32).
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from typing import Optional
 import pyarrow as pa
 import torch
 
-from . import a2c, grpo, reinforce
+from . import algorithms, policy
 from .config import Job
+from .rewards import parse_transforms, transform_values
 
 
 def model_dtype(job: Job, device: torch.device) -> torch.dtype:
@@ -71,65 +74,63 @@ class Trainer:
             self.optimizer.load_state_dict(torch.load(Path(parent_adapter) / "optimizer.pt", map_location=device))
             state = Path(parent_adapter) / "trainer_state.json"
             self.updates = json.loads(state.read_text())["updates"] if state.is_file() else 0
+        self.algorithm = algorithms.module(self.cfg.algorithm)
+        self.spec: algorithms.Spec = self.algorithm.SPEC
+        self.args = algorithms.make_args(job, self.algorithm.Args)
+        self.sampling = (parse_transforms(self.cfg.sampling_transforms, "sampling")
+                         if self.spec.sampling_on == "advantages" else [])
         self.critic = self.critic_optimizer = None
-        if self.cfg.algorithm == "a2c":
+        if self.spec.critic:
             body = _backbone(AutoModel, path, job, device)
             cdir = Path(parent_adapter) / "critic" if parent_adapter else None
             if cdir is not None and (cdir / "adapter_config.json").is_file():
                 body = PeftModel.from_pretrained(body, str(cdir), is_trainable=True)
             else:
                 body = get_peft_model(body, lora_config(job, "FEATURE_EXTRACTION"))
-            self.critic = a2c.Critic(body, base.config.hidden_size).to(device)
+            head = torch.nn.Linear(base.config.hidden_size, 1)
+            torch.nn.init.zeros_(head.weight)  # V = 0 at start: the first advantages are the returns
+            torch.nn.init.zeros_(head.bias)
             if cdir is not None and (cdir / "value_head.pt").is_file():
-                self.critic.head.load_state_dict(torch.load(cdir / "value_head.pt", map_location=device))
+                head.load_state_dict(torch.load(cdir / "value_head.pt", map_location="cpu"))
+            self.critic = torch.nn.ModuleDict({"body": body, "head": head}).to(device)
             self.critic_optimizer = _adamw(self.critic.parameters(), self.cfg.critic_lr, job)
             if cdir is not None and (cdir / "critic_optimizer.pt").is_file():
                 self.critic_optimizer.load_state_dict(torch.load(cdir / "critic_optimizer.pt", map_location=device))
 
-    def _args(self, cls, **extra):
-        c = self.cfg
-        return cls(mini_batch_size=c.mini_batch_size, grad_clip=c.grad_clip, normalization=c.normalization,
-                   max_generation_len=c.max_generation_len or self.job.model.max_new_tokens,
-                   max_train_len=c.max_train_len, pad_id=self.pad_id, **extra)
+    def batch(self, table: pa.Table) -> algorithms.Batch:
+        """The tensors an update needs from the batch query's rows: exact ids, advantages, settings."""
+        col = lambda name: table.column(name).to_pylist()  # noqa: E731
+        where = [f"turn {t} of game {g} (round {r})" for r, g, t in zip(col("round"), col("game_id"), col("turn"))]
+        prompts = policy.prompt_ids(self.tokenizer, col("prompt"), col("prompt_tokens"), where)
+        tokens = policy.tokenize(prompts, col("completion_token_ids"), self.cfg.max_train_len, self.pad_id)
+        old, has_old = policy.behaviour_logprobs(tokens, col("logprobs"))
+        return algorithms.Batch(
+            tokens=tokens, advantages=torch.tensor(col("advantage"), dtype=torch.float64),
+            temperature=col("temperature"), top_p=col("top_p"), old_logp=old, has_old=has_old,
+            seats=list(zip(col("round"), col("game_id"), col("pid"))), turns=col("turn"),
+            final_reward=col("final_reward"), step_reward=col("step_reward"),
+            transform=lambda values: transform_values(self.sampling, table, values))
 
-    def tokenize(self, batch: pa.Table) -> reinforce.Tokens:
-        col = batch.column
-        truncated = [bool(t) for t in col("truncated").to_pylist()]
-        # A completion that ended by itself ended on EOS: train on the EOS too, so stopping is learned.
-        return reinforce.tokenize(self.tokenizer, col("prompt").to_pylist(), col("completion").to_pylist(),
-                                  [not t for t in truncated], self.cfg.max_train_len, self.pad_id)
-
-    def step(self, batch: pa.Table) -> dict:
+    def step(self, table: pa.Table) -> dict:
         """One update on a batch from the lake query; returns the learner_steps metrics."""
         t0 = time.perf_counter()
-        tokens = self.tokenize(batch)
-        adv = torch.tensor(batch.column("advantage").to_pylist(), dtype=torch.float64)
-        c = self.cfg
-        if c.algorithm == "reinforce":
-            m = reinforce.update(self.policy, self.optimizer, tokens, adv, self._args(reinforce.ReinforceArgs), self.device)
-        elif c.algorithm == "grpo":
-            old, ok = grpo.behaviour_logprobs(tokens, batch.column("logprobs").to_pylist())
-            args = self._args(grpo.GRPOArgs, clip_ratio=c.clip_ratio, kl_coef=c.kl_coef)
-            m = grpo.update(self.policy, self.optimizer, tokens, adv, old, ok, args, self.device)
-        else:
-            seats = list(zip(batch.column("round").to_pylist(), batch.column("game_id").to_pylist(),
-                             batch.column("pid").to_pylist()))
-            args = self._args(a2c.A2CArgs, gamma=c.gamma, gae_lambda=c.gae_lambda, critic_grad_clip=c.grad_clip)
-            m = a2c.update(self.policy, self.critic, self.optimizer, self.critic_optimizer, tokens, seats,
-                           batch.column("turn").to_pylist(), batch.column("final_reward").to_pylist(),
-                           batch.column("step_reward").to_pylist(), args, self.device)
-            m["critic_lr"] = c.critic_lr
+        batch = self.batch(table)
+        m = self.algorithm.update(self, batch, self.args, self.device)
         self.updates += 1
+        tokens = batch.tokens
         lengths = tokens.attention_mask.sum(-1).float()
-        adv_all = torch.tensor(batch.column("advantage").to_pylist(), dtype=torch.float64)
         elapsed = time.perf_counter() - t0
-        m.setdefault("advantage_mean", adv_all.mean().item())
-        m.update(lr=self.optimizer.param_groups[0]["lr"], samples=batch.num_rows, tokens=int(lengths.sum()),
+        # Advantage metrics describe what the actor trained on: the update's own when it computes
+        # them (A2C's transformed GAE), else the query's.
+        m.setdefault("advantage_mean", batch.advantages.mean().item())
+        m.setdefault("advantage_std", batch.advantages.std(unbiased=False).item())
+        if self.critic is not None:
+            m["critic_lr"] = self.cfg.critic_lr
+        m.update(lr=self.optimizer.param_groups[0]["lr"], samples=batch.size, tokens=int(lengths.sum()),
                  train_tokens=int(tokens.loss_mask.sum()), tokens_per_s=float(lengths.sum()) / max(elapsed, 1e-9),
                  step_time_s=elapsed, mean_train_len=lengths.mean().item(),
                  pct_truncated=100.0 * tokens.truncated.float().mean().item(),
-                 reward_mean=_mean(batch, "env_reward"), step_reward_mean=_mean(batch, "step_reward"),
-                 advantage_std=adv_all.std(unbiased=False).item())
+                 reward_mean=_mean(table, "env_reward"), step_reward_mean=_mean(table, "step_reward"))
         return m
 
     def save(self, directory: Path) -> None:
