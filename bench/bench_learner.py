@@ -47,7 +47,7 @@ def main() -> None:
     tok = bare.batch(batch).tokens
     adv = torch.tensor(batch.column("advantage").to_pylist())
 
-    def token_logprobs(model, ids, att):
+    def plain_logprobs(model, ids, att):
         logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
         return logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
@@ -55,7 +55,7 @@ def main() -> None:
         t0 = time.perf_counter()
         bare.optimizer.zero_grad()
         for s in range(0, args.batch, 8):
-            lp = token_logprobs(bare.policy, tok.input_ids[s:s + 8], tok.attention_mask[s:s + 8])
+            lp = plain_logprobs(bare.policy, tok.input_ids[s:s + 8], tok.attention_mask[s:s + 8])
             loss = -(adv[s:s + 8] * (lp * tok.loss_mask[s:s + 8, 1:]).sum(-1) / 64).sum() / args.batch
             loss.backward()
         torch.nn.utils.clip_grad_norm_(bare.policy.parameters(), 0.2)

@@ -39,7 +39,8 @@ def write_lake(root: Path, turns: int, rounds: int = 20, turns_per_game: int = 1
         seats = [[dict(pid=0, model_uid="ckpt", is_learner=True, role="P0", reward=float(x), invalid_move=False, reason=""),
                   dict(pid=1, model_uid="ckpt", is_learner=True, role="P1", reward=float(-x), invalid_move=False, reason="")]
                  for x in rewards]
-        g = pa.table({"game_id": gids, "split": ["train"] * games, "env_id": envs, "seed": seeds,
+        groups = np.array([f"r{r:03d}-g{i // 4:06d}" for i in range(games)])  # round.group_size = 4
+        g = pa.table({"game_id": gids, "split": ["train"] * games, "env_id": envs, "seed": seeds, "group_id": groups,
                       "num_players": np.full(games, 2, np.int32), "num_turns": np.full(games, turns_per_game, np.int32),
                       "started_at": pa.nulls(games, pa.timestamp("us", tz="UTC")),
                       "finished_at": pa.nulls(games, pa.timestamp("us", tz="UTC")),
@@ -49,15 +50,17 @@ def write_lake(root: Path, turns: int, rounds: int = 20, turns_per_game: int = 1
         turn = np.tile(np.arange(turns_per_game, dtype=np.int32), games)
         t = pa.table({"game_id": gids[gi], "turn": turn, "pid": (turn % 2).astype(np.int32), "model_uid": ["ckpt"] * n,
                       "is_learner": np.ones(n, bool), "split": ["train"] * n, "env_id": envs[gi], "seed": seeds[gi],
-                      "observation": ["obs"] * n, "prompt": [prompt + str(i % 97) for i in range(n)],
+                      "group_id": groups[gi], "observation": ["obs"] * n, "prompt": [prompt + str(i % 97) for i in range(n)],
                       "completion": ["\\boxed{[3]}"] * n, "action": ["[3]"] * n, "format_ok": rng.random(n) < 0.8,
                       "invalid_move": rng.random(n) < 0.1, "step_info": ["{}"] * n,
                       "prompt_tokens": np.full(n, 200, np.int32), "completion_tokens": np.full(n, 30, np.int32),
-                      "truncated": np.zeros(n, bool), "logprobs": pa.nulls(n, pa.list_(pa.float32())),
+                      "completion_token_ids": pa.array([list(range(30))] * n, pa.list_(pa.int32())),
+                      "truncated": np.zeros(n, bool), "logprobs": pa.array([[-1.0] * 30] * n, pa.list_(pa.float32())),
                       "latency_s": np.zeros(n)})
         lk.write_table(root, "games", RUN, r, "task0", g)
         lk.write_table(root, "turns", RUN, r, "task0", t)
-        lk.commit_round(root, RUN, r, dict(checkpoint_uid="ckpt", games=games))
+        lk.commit_round(root, RUN, r, dict(checkpoint_uid="ckpt", games=games, temperature=1.0, top_p=1.0,
+                                           max_new_tokens=30))
 
 
 def main() -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_rewards import RUN, make_lake
+import test_rewards
+from test_rewards import RUN
 from unstable_dask import lake as lk
 from unstable_dask.config import JobError, validate_job
 from unstable_dask.learn import build_query, checkpoint_rows, learn, plan
@@ -14,7 +15,17 @@ from unstable_dask.rewards import run_batch_query
 def job_for(lake, **learn):
     cfg = dict(batch_size=8, mini_batch_size=4, lr=1e-3, gradient_checkpointing=False) | learn
     return validate_job({"run": {"name": RUN, "lake": str(lake)}, "learn": cfg,
+                         "round": {"group_size": 2, "train_games": 16},  # groups, for grpo and gspo
                          "model": {"lora": {"rank": 4, "alpha": 8}, "max_new_tokens": 8}})
+
+
+def make_lake(root, **kw):
+    """test_rewards' random lake, with prompt token counts of the builtin tiny tokenizer."""
+    from transformers import AutoTokenizer
+
+    from unstable_dask.models import resolve_model
+    tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny"))
+    return test_rewards.make_lake(root, encode=lambda text: tok(text, add_special_tokens=False)["input_ids"], **kw)
 
 
 def lora_state(model):
@@ -66,15 +77,18 @@ def test_learn_resumes_exactly_and_adapter_round_trips(tmp_path):
     assert all(s["samples"] == 8 and s["tokens"] > 0 and s["grad_norm"] > 0 for s in steps)
 
 
-@pytest.mark.parametrize("algorithm", ["a2c", "grpo"])
+@pytest.mark.parametrize("algorithm", ["a2c", "grpo", "gspo"])
 def test_other_algorithms_train_and_resume(tmp_path, algorithm):
     lake = make_lake(tmp_path / "lake", rounds=1, games=12)
-    job = job_for(lake, algorithm=algorithm, kl_coef=0.1 if algorithm == "grpo" else 0.0, updates_per_round=2)
+    ppo = dict(kl_coef=0.1, ppo_epochs=2, ppo_mini_batch_size=4) if algorithm != "a2c" else {}
+    job = job_for(lake, algorithm=algorithm, updates_per_round=2, **ppo)
     r1 = learn(job)
     assert len(r1.steps) == 2 and all(torch.isfinite(torch.tensor(s["loss"])) for s in r1.steps)
     if algorithm == "a2c":
         assert (lake / r1.adapter_path / "critic" / "value_head.pt").is_file()
-        assert r1.steps[0]["value_loss"] > 0
+        assert r1.steps[0]["value_loss"] > 0 and r1.steps[0]["optimizer_steps"] == 1
+    else:  # 2 epochs over mini-batches of 4 rows
+        assert all(s["optimizer_steps"] == 2 * -(-s["samples"] // 4) and s["clip_frac"] is not None for s in r1.steps)
     make_lake(lake, rounds=1, games=12, seed=1, first=2)
     assert learn(job).iteration == 2
 
@@ -85,3 +99,21 @@ def test_uncommitted_learner_output_is_invisible(tmp_path):
     lk.write_table(lake, "learner_steps", RUN, 1, "steps", [{"update": 0, "loss": 1.0}])
     assert lk.visible_files(lake, "learner_steps") == []
     assert plan(job_for(lake)).iteration == 1
+
+
+def test_rounds_played_before_exact_tokens_are_refused(tmp_path):
+    """Rounds whose files predate completion_token_ids / group_id / the commit's sampling settings
+    cannot be trained on exactly: a clear error naming them, alone or beside newer rounds."""
+    import pyarrow.parquet as pq
+    lake = make_lake(tmp_path / "lake", rounds=1, games=12)
+    for table, cols in (("turns", ["completion_token_ids", "group_id"]),
+                        ("rounds", ["temperature", "top_p", "max_new_tokens"])):
+        for f in (lake / table).rglob("*.parquet"):
+            pq.write_table(pq.read_table(f).drop_columns(cols), f)
+    message = r"round\(s\) \[1\] of run 't' in lake '.*' were played before the lake recorded exact token ids"
+    with pytest.raises(JobError, match=message):
+        learn(job_for(lake))
+    make_lake(lake, rounds=1, games=12, seed=1, first=2)
+    with pytest.raises(JobError, match=message):
+        learn(job_for(lake, window="all"))
+    assert learn(job_for(lake)).rounds == [2]

@@ -16,20 +16,27 @@ from unstable_dask.config import validate_job
 from unstable_dask.loop import loop
 
 
+# grpo / gspo: 16 start states played 4 times, advantages z-scored inside each group (their default).
+ALGORITHMS = {"reinforce": ({}, {"sampling_transforms": ["NormalizeRewards(z_score=True)"]}),
+              "grpo": ({"group_size": 4}, {}),
+              "gspo": ({"group_size": 4}, {})}
+
+
 @pytest.mark.slow
-def test_win_rate_rises_clearly(tmp_path):
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_win_rate_rises_clearly(tmp_path, algorithm):
     lake = tmp_path / "lake"
+    round_extra, learn_extra = ALGORITHMS[algorithm]
     job = validate_job({
         "run": {"name": "learn", "lake": str(lake), "reports": str(tmp_path / "reports")},
         "model": {"max_new_tokens": 16, "hf_max_batch": 64,
                   "lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj", "lm_head"]}},
         "cluster": {"n_workers": 1, "dashboard": False},
         "round": {"train_games": 64, "eval_games": 0, "games_per_task": 64, "concurrency": 64,
-                  "train_envs": [{"env_id": "WinningNumber-v0-coin-train", "num_players": 1}]},
-        "learn": {"batch_size": 64, "mini_batch_size": 32, "lr": 1e-2, "grad_clip": 1.0, "window": "latest",
-                  "gradient_checkpointing": False, "updates_per_round": 2, "max_generation_len": 16,
-                  "final_transforms": [], "step_transforms": [],
-                  "sampling_transforms": ["NormalizeRewards(z_score=True)"]}})
+                  "train_envs": [{"env_id": "WinningNumber-v0-coin-train", "num_players": 1}]} | round_extra,
+        "learn": {"algorithm": algorithm, "batch_size": 64, "mini_batch_size": 32, "lr": 1e-2, "grad_clip": 1.0,
+                  "window": "latest", "gradient_checkpointing": False, "updates_per_round": 2,
+                  "max_generation_len": 16, "final_transforms": [], "step_transforms": []} | learn_extra})
     loop(job, 12, rate=False)
     win = {r["round"]: r["win"] for r in lk.query(
         lake, "SELECT round, avg((reward > 0)::DOUBLE) AS win FROM seats GROUP BY round").to_pylist()}

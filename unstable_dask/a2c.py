@@ -41,7 +41,7 @@ class A2CArgs(reinforce.ReinforceArgs):
 Args = A2CArgs
 
 
-def values(critic, input_ids, attention_mask, last_prompt):
+def critic_values(critic, input_ids, attention_mask, last_prompt):
     """V at each sample's last prompt token, [B]."""
     import torch
     h = critic.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -81,7 +81,7 @@ def update(models: Models, batch: Batch, args: A2CArgs, device) -> dict:
     batches = micro_batches(n, args.mini_batch_size)
     critic.eval()
     with torch.no_grad():
-        v = torch.cat([values(critic, tokens.input_ids[mb].to(device), tokens.attention_mask[mb].to(device),
+        v = torch.cat([critic_values(critic, tokens.input_ids[mb].to(device), tokens.attention_mask[mb].to(device),
                               tokens.last_prompt[mb]).float().cpu() for mb in batches]).tolist()
     rewards = turn_rewards(batch.seats, batch.turns, batch.final_reward, batch.step_reward)
     adv, ret = gae(batch.seats, batch.turns, rewards, v, args.gamma, args.gae_lambda)
@@ -93,7 +93,7 @@ def update(models: Models, batch: Batch, args: A2CArgs, device) -> dict:
     target = torch.tensor(ret, dtype=torch.float32)
     vloss_sum, mae_sum = 0.0, 0.0
     for mb in batches:
-        err = values(critic, tokens.input_ids[mb].to(device), tokens.attention_mask[mb].to(device),
+        err = critic_values(critic, tokens.input_ids[mb].to(device), tokens.attention_mask[mb].to(device),
                      tokens.last_prompt[mb]).float() - target[mb].to(device)
         loss = 0.5 * (err ** 2).sum() / n  # 0.5 * MSE over the batch, accumulated over micro-batches
         loss.backward()

@@ -12,11 +12,14 @@ attempt weighing the same however many turns it took:
     A_gt   = (r_gt - mu) / (sd + 1e-8)
 
 With outcome rewards only this is textbook GRPO over the G attempts (mu, sd of the G outcomes);
-a group whose attempts all ended alike has A = 0 except for step shaping. Default transforms for
-GRPO: no final transform (RoleAdvantageByEnvFormatter's EMA baseline is shared by a group up to
-tau-sized drift, which the z-score would blow up into noise) and GroupRelativeAdvantage() as the
-only sampling transform (NormalizeRewardsByEnv on top would only rescale the z-scores). A job
-that lists transforms gets exactly those, applied in the order listed.
+a group whose attempts all ended alike has A = 0 except for step shaping. An attempt in which the
+seat never moved (the game ended before its turn) has no turns: it holds nothing to train on and
+does not enter the statistic.
+
+Default transforms for GRPO: no final transform (RoleAdvantageByEnvFormatter's EMA baseline is
+shared by a group up to tau-sized drift, which the z-score would blow up into noise) and
+GroupRelativeAdvantage() as the only sampling transform (NormalizeRewardsByEnv on top would only
+rescale the z-scores). A job that lists transforms gets exactly those, in the order listed.
 
 Per completion token t of sample i, with log pi under the row's sampling distribution (policy.py)
 and pi_old the behaviour policy (the engine's log-probs of the same distribution, stored in the
@@ -35,10 +38,11 @@ PPO-style updates: `ppo_epochs` passes over the batch, each cut into consecutive
 `ppo_mini_batch_size` rows (default: the whole batch); one optimizer step per mini-batch, its
 gradient accumulated over micro-batches of `mini_batch_size` rows. pi_old stays the behaviour
 policy for every step, so the first step's ratio is 1 (on-policy) and later steps' are not:
-clipping acts, and clip_frac is the share of tokens whose gradient the clip removed (the
-clipped term is the minimum: ratio above 1 + eps with A > 0, below 1 - eps with A < 0). Rows without usable stored log-probs
-(cut by max_train_len) take the policy's own log-probs before the first step as pi_old. The
-metrics are averages over the optimizer steps (clip_frac over all their tokens).
+clipping acts, and clip_frac is the share of tokens whose gradient the clip removed (the clipped
+term is the minimum: ratio above 1 + eps with A > 0, below 1 - eps with A < 0). Rows without
+usable stored log-probs (cut by max_train_len) take the policy's own log-probs before the first
+step as pi_old. The metrics are averages over the optimizer steps (clip_frac over all their
+tokens).
 
 `update` takes the per-sample objective as an argument: gspo.py reuses the loop.
 """
@@ -100,13 +104,14 @@ def update(models: Models, batch: Batch, args: GRPOArgs, device, objective: Opti
                                                 [batch.top_p[i] for i in rows]).cpu()
     steps = []
     for epoch in range(args.ppo_epochs):
-        for mini in micro_batches(n, args.ppo_mini_batch_size or n):
+        for mini in micro_batches(n, args.ppo_mini_batch_size or n):  # one optimizer step each
             m = mini.stop - mini.start
             optimizer.zero_grad(set_to_none=True)
             s = dict(loss=0.0, pg_loss=0.0, kl=0.0, logp=0.0, clipped=0.0, counted=0.0)
-            for start in range(mini.start, mini.stop, args.mini_batch_size):
+            for start in range(mini.start, mini.stop, args.mini_batch_size):  # gradient accumulation
                 mb = slice(start, min(start + args.mini_batch_size, mini.stop))
-                ids, att, lm = tokens.input_ids[mb].to(device), tokens.attention_mask[mb].to(device), tokens.loss_mask[mb].to(device)
+                ids, att = tokens.input_ids[mb].to(device), tokens.attention_mask[mb].to(device)
+                lm = tokens.loss_mask[mb].to(device)
                 temp, top_p = batch.temperature[mb], batch.top_p[mb]
                 logits = logits_of(model, ids, att)
                 logp = completion_logprobs(logits, ids, lm, temp, top_p)
@@ -133,6 +138,7 @@ def update(models: Models, batch: Batch, args: GRPOArgs, device, objective: Opti
             s["logp"] /= m
             steps.append(s)
     mean = {k: sum(s[k] for s in steps) / len(steps) for k in ("loss", "pg_loss", "kl", "logp", "grad_norm")}
+    clip_frac = sum(s["clipped"] for s in steps) / max(sum(s["counted"] for s in steps), 1)
     return dict(loss=mean["loss"], pg_loss=mean["pg_loss"], kl=mean["kl"], logp_mean=mean["logp"],
-                grad_norm=mean["grad_norm"], clip_frac=sum(s["clipped"] for s in steps) / max(sum(s["counted"] for s in steps), 1),
-                optimizer_steps=len(steps), step_time_s=time.perf_counter() - t0)
+                grad_norm=mean["grad_norm"], clip_frac=clip_frac, optimizer_steps=len(steps),
+                step_time_s=time.perf_counter() - t0)

@@ -10,8 +10,11 @@ is decoded and re-encoded, so the learner trains on exactly what was sampled.
 Log-probs: `sampling.sampling_logprobs(logits, temperature, top_p)` with the settings of the
 row's round, at completion positions only (the vocabulary-sized softmax is never taken over the
 prompt). A completion token outside the current policy's top-p nucleus has probability 0 under
-the sampling distribution; its log-prob is floored at LOGP_FLOOR (zero gradient, an importance
-ratio of 0) instead of -inf, so no loss turns into inf or NaN.
+the sampling distribution; its log-prob is floored at LOGP_FLOOR = -100 instead of -inf (zero
+gradient; exp(-100) is below float32's smallest normal number, so a ratio against it is ~0), so
+no loss turns into inf or NaN and metrics such as logp_mean stay on a readable scale. On-policy
+this does not happen (the token was drawn from that nucleus); after an optimizer step a token
+near the nucleus boundary can drop out.
 
 torch is imported inside the functions: algorithm files import this module and `load_job` reads
 their specs without loading torch.
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 if TYPE_CHECKING:
     import torch
 
-LOGP_FLOOR = -1e4
+LOGP_FLOOR = -100.0
 
 
 @dataclass
@@ -100,17 +103,14 @@ def completion_logprobs(logits: "torch.Tensor", input_ids: "torch.Tensor", loss_
     float32, aligned with `logits` (position t scores token t+1); 0 off the completion."""
     import torch
 
-    from .sampling import sampling_logprobs
-    target = input_ids[:, 1:]
+    from . import sampling
     completion = loss_mask[:, 1:].bool()
-    out = torch.zeros(target.shape, dtype=torch.float32, device=logits.device)
+    out = torch.zeros(completion.shape, dtype=torch.float32, device=logits.device)
     settings = list(zip(temperature, top_p))
     for t, p in sorted(set(settings)):  # rows of one round share settings: usually one pass
         rows = torch.tensor([s == (t, p) for s in settings], device=logits.device)
-        sel = completion & rows.unsqueeze(-1)
-        lp = sampling_logprobs(logits[sel], t, p).gather(-1, target[sel].unsqueeze(-1)).squeeze(-1)
-        out = out.masked_scatter(sel, lp.clamp(min=LOGP_FLOOR))
-    return out
+        out = out + sampling.completion_logprobs(logits, input_ids, completion & rows.unsqueeze(-1), t, p)
+    return out.clamp(min=LOGP_FLOOR)
 
 
 def sequence_logprobs(logp: "torch.Tensor", mask: "torch.Tensor", normalization: str,
@@ -127,7 +127,8 @@ def normalizer(mask: "torch.Tensor", normalization: str, max_generation_len: int
     return mask.sum(-1).clamp(min=1)
 
 
-def behaviour_logprobs(tokens: Tokens, logprobs: Sequence[Optional[Sequence[float]]]) -> tuple["torch.Tensor", "torch.Tensor"]:
+def behaviour_logprobs(tokens: Tokens,
+                       logprobs: Sequence[Optional[Sequence[float]]]) -> tuple["torch.Tensor", "torch.Tensor"]:
     """The engine's log-probs laid out like completion_logprobs' output ([B, T-1]) and a [B] mask of
     samples whose stored log-probs describe what we train on: one per completion token, and the
     sample not cut by max_train_len (a cut prompt changes what the tokens are conditioned on)."""

@@ -39,18 +39,26 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     return torch.log_softmax(scores, dim=-1)
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor,
-                   temperature: float, top_p: float) -> torch.Tensor:
-    """log pi(x_t | x_<t) under (temperature, top_p) for the tokens x_1..x_L-1 of right-padded rows.
+def completion_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor,
+                        temperature: float, top_p: float) -> torch.Tensor:
+    """log pi(x_t | x_<t) under (temperature, top_p) for the tokens x_1..x_L-1 of rows of `input_ids`.
 
-    One forward pass of `model` over `input_ids` [B, L]; returns [B, L-1] float32 where entry t-1
-    scores token t when `target_mask[:, t-1]` is set (the completion tokens) and 0 elsewhere. Only
-    the masked positions go through `sampling_logprobs` (a sort over the vocabulary), so prompts
-    cost no memory there, and a prompt token outside the nucleus (-inf) never meets a 0 mask (NaN).
-    On the weights a round played with, this reproduces the engines' stored `logprobs`.
+    `logits` [B, L-1, V] predict tokens 1..L-1; returns [B, L-1] float32 where entry t-1 scores
+    token t when `target_mask[:, t-1]` is set (the completion tokens) and 0 elsewhere. Only the
+    masked positions go through `sampling_logprobs` (a sort over the vocabulary), so prompts cost
+    no memory there, and a prompt token outside the nucleus (-inf) never meets a 0 mask (NaN).
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     keep = target_mask.bool()
     picked = sampling_logprobs(logits[keep], temperature, top_p)
     values = picked.gather(-1, input_ids[:, 1:][keep].unsqueeze(-1)).squeeze(-1)
     return torch.zeros(keep.shape, dtype=values.dtype, device=values.device).masked_scatter(keep, values)
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor,
+                   temperature: float, top_p: float) -> torch.Tensor:
+    """completion_logprobs of one forward pass of `model` over right-padded `input_ids` [B, L].
+
+    On the weights a round played with, this reproduces the engines' stored `logprobs`.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    return completion_logprobs(logits, input_ids, target_mask, temperature, top_p)
