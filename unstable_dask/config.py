@@ -14,6 +14,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .templates import TEMPLATE_NAMES
+
 
 class JobError(Exception):
     """A mistake in user input (job file, CLI value, SQL). Printed as one line, exit code 2."""
@@ -47,7 +49,7 @@ class VllmConfig(_Strict):
     extra: dict[str, Any] = {}
 
 
-TEMPLATES = ("default", "qwen3-zs", "qwen3-sp", "qwen3-reasoning", "gemma3-zs", "llama-instruct-zs", "chat")
+TEMPLATES = TEMPLATE_NAMES  # prompt templates (templates.py): UnstableBaselines' names + ours
 
 
 class ModelConfig(_Strict):
