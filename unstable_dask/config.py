@@ -136,7 +136,7 @@ class ClusterConfig(_Strict):
     extra: dict[str, Any] = {}  # any other dask-jobqueue keyword, passed through
 
 
-OpponentStrategy = Literal["mirror", "fixed", "lagged", "match-quality"]
+OpponentStrategy = Literal["mirror", "fixed", "lagged", "match-quality", "win-rate"]
 
 
 class EnvSpec(_Strict):
@@ -162,10 +162,14 @@ class EnvSpec(_Strict):
 
 class OpponentConfig(_Strict):
     # mirror: the checkpoint plays every seat; fixed: uniform over `fixed`; lagged: uniform over
-    # the last `lag` checkpoints; match-quality: weights = TrueSkill quality once ratings exist.
+    # the last `lag` checkpoints; match-quality: every other checkpoint and `fixed`, weighted by
+    # TrueSkill match quality; win-rate: one past checkpoint until the learner wins more than
+    # `win_rate_threshold` of its last `win_rate_games` train games against it (UnstableBaselines).
     strategy: OpponentStrategy = "mirror"
     fixed: list[str] = ["random"]
     lag: int = Field(5, gt=0)
+    win_rate_threshold: float = Field(0.7, ge=0.0, le=1.0)
+    win_rate_games: int = Field(100, gt=0)
 
 
 class RoundConfig(_Strict):
