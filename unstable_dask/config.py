@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -21,7 +22,7 @@ class JobError(Exception):
     """A mistake in user input (job file, CLI value, SQL). Printed as one line, exit code 2."""
 
 
-# Limits, one place (README "Limits"). Far past any real run; they turn a typo into an error at
+# Limits, one place (README, "Job files"). Far past any real run; they turn a typo into an error at
 # load instead of a scheduler that never ends or a number the lake cannot store.
 MAX_INT = 2**53  # every integer setting, anywhere in a job (exact as JSON and float64, fits int64)
 MAX_GAMES_PER_ROUND = 1_000_000  # round.train_games + round.eval_games (scheduling takes ~0.1 ms a game)
@@ -34,7 +35,7 @@ def _insane(v: Any) -> Optional[str]:
         return None
     if isinstance(v, int) and abs(v) > MAX_INT:
         return f"integers are limited to {MAX_INT:,} in size (config.MAX_INT)"
-    if isinstance(v, float) and v != v or v in (float("inf"), float("-inf")):
+    if isinstance(v, float) and not math.isfinite(v):
         return "must be a finite number"
     items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, (list, tuple)) else ()
     for k, x in items:
