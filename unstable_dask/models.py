@@ -42,7 +42,9 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Prompt-template wording (UnstableBaselines' templates), so the tiny tokenizer has merges for it.
+# Prompt-template wording, so the tiny tokenizer has merges for it: the zero-sum text shared by
+# qwen3-zs, gemma3-zs, llama-instruct-zs and plain-zs (templates.py). Any text still tokenizes
+# (byte-level BPE); changing this list changes the tokenizer, so bump TINY_DIR with it.
 _TEMPLATE_TEXTS = [
     "You are playing a two-player zero-sum game. Make valid actions to win.\nObservation: ",
     "\nPlease reason step by step, and put your final answer within \\boxed{}.",
