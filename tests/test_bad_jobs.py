@@ -66,3 +66,27 @@ def test_sql_that_writes_is_refused(tmp_path, capsys):
     code = run.main(["sql", f"COPY (SELECT 1) TO '{tmp_path}/x.csv'", "--lake", str(tmp_path)])
     assert code == 2 and "only SELECT" in capsys.readouterr().err
     assert not (tmp_path / "x.csv").exists()
+
+
+def test_shipped_jobs_load_by_name_from_anywhere(tmp_path, monkeypatch):
+    from unstable_dask.config import JobError, load_job
+    here = load_job(Path(__file__).parents[1] / "jobs" / "smollm2-cpu.toml")
+    monkeypatch.chdir(tmp_path)  # outside the checkout, as after `pip install unstable-dask`
+    for name in ("smollm2-cpu", "jobs/smollm2-cpu.toml"):
+        assert load_job(name).model_dump() == here.model_dump()
+    with pytest.raises(JobError, match=r"nope\.toml: job file not found \(shipped jobs: .*demo"):
+        load_job("jobs/nope.toml")
+    with pytest.raises(JobError, match="not found"):
+        load_job("elsewhere/demo.toml")  # only bare names and jobs/<name> fall back to the shipped copy
+
+
+@pytest.mark.slow
+def test_pip_install_ships_the_job_files(tmp_path):
+    import zipfile
+    root = Path(__file__).parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(root),
+                    "-w", str(tmp_path)], check=True, capture_output=True)
+    [wheel] = tmp_path.glob("unstable_dask-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for job in (root / "jobs").glob("*.toml"):
+        assert f"unstable_dask/jobs/{job.name}" in names

@@ -344,14 +344,18 @@ def check_learn_sql(job: Job) -> None:
 
 
 def load_job(path: Union[str, Path, None] = None, overrides: Optional[dict] = None) -> Job:
-    """Read and validate a job file; no path means the embedded default job."""
+    """Read and validate a job file; no path means the embedded default job.
+
+    A path that is not a file but names a shipped job (`demo`, `jobs/smollm2-cpu.toml`, ...) reads
+    the copy inside the installed package, so the README's commands work outside a checkout too.
+    """
     raw: dict = {}
     source = "<default>"
     if path is not None:
         p = Path(path)
         source = str(p)
         if not p.is_file():
-            raise JobError(f"{source}: job file not found")
+            p = shipped_job(p)
         try:
             raw = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
@@ -365,6 +369,18 @@ def load_job(path: Union[str, Path, None] = None, overrides: Optional[dict] = No
             node = node.setdefault(k, {})
         node[leaf] = value
     return validate_job(raw, source)
+
+
+def shipped_jobs() -> dict[str, Path]:
+    """The job files installed with the package (unstable_dask/jobs, the repo's jobs/ folder)."""
+    return {f.stem: f for f in sorted((Path(__file__).parent / "jobs").glob("*.toml"))}
+
+
+def shipped_job(path: Path) -> Path:
+    jobs = shipped_jobs()
+    if str(path.parent) in (".", "jobs") and path.stem in jobs and path.suffix in ("", ".toml"):
+        return jobs[path.stem]
+    raise JobError(f"{path}: job file not found (shipped jobs: {', '.join(jobs) or 'none'})")
 
 
 def default_job() -> Job:
