@@ -32,3 +32,52 @@ def sample_prompts(engine) -> list[str]:
 
 def texts(gens) -> list[str]:
     return [g.text for g in gens]
+
+
+def recompute_logprobs(base_path: str, prompt_ids: list[list[int]], gens, temperature: float,
+                       top_p: float) -> list[list[float]]:
+    """Behaviour log-probs of each generation's `token_ids`, recomputed the learner's way: a plain fp32
+    transformers forward pass over prompt ids + completion ids, through `sampling.token_logprobs`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from unstable_dask.sampling import token_logprobs
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
+    rows = [p + g.token_ids for p, g in zip(prompt_ids, gens)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    att = torch.zeros_like(ids)
+    target = torch.zeros((len(rows), width - 1), dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompt_ids, rows)):
+        ids[i, :len(r)] = torch.tensor(r)
+        att[i, :len(r)] = 1
+        target[i, len(p) - 1:len(r) - 1] = True  # position t-1 scores token t
+    with torch.no_grad():
+        lp = token_logprobs(model, ids, att, target, temperature, top_p)
+    return [lp[i, len(p) - 1:len(r) - 1].tolist() for i, (p, r) in enumerate(zip(prompt_ids, rows))]
+
+
+def draw_statistics(engine, base_path: str, prompt: str, n: int, temperature: float, top_p: float,
+                    seed: int = 5) -> tuple[float, float, float]:
+    """`n` one-token draws from one prompt (engine's max_new_tokens = 1): the mean behaviour log-prob of
+    the drawn tokens, its expectation -H(pi_b) under the distribution the log-probs describe (one fp32
+    forward pass), and the standard error of that mean. Draws from any other distribution (warped
+    twice, top-p skipped, a different temperature) move the mean by many standard errors."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from unstable_dask.engines import encode_prompts
+    from unstable_dask.sampling import sampling_logprobs
+    gens = engine.generate([prompt] * n, seed=seed)
+    assert all(g.completion_tokens == 1 for g in gens)
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(encode_prompts(engine.tokenizer, [prompt], 10**6))).logits[0, -1]
+    lp = sampling_logprobs(logits, temperature, top_p)
+    p = lp.exp()
+    drawn = torch.tensor([g.token_ids[0] for g in gens])
+    assert torch.isfinite(lp[drawn]).all(), "a token outside the nucleus was drawn"
+    finite = torch.where(p > 0, lp, torch.zeros_like(lp)).double()
+    mean = (p * finite).sum()
+    sd = (p * (finite - mean) ** 2).sum().sqrt()
+    return float(torch.tensor([g.logprobs[0] for g in gens]).double().mean()), float(mean), float(sd) / n ** 0.5

@@ -33,15 +33,18 @@ def seat(pid: int, uid: str, reward: float, learner: bool = False) -> dict:
 
 
 def game(round_: int, idx: int, env_id: str, seats: list[dict], split: str = "train", turns: int = 4) -> dict:
+    # every game its own group (round.group_size = 1), as a round without groups writes them
     return {"game_id": f"r{round_:04d}-g{idx:05d}", "split": split, "env_id": env_id, "seed": round_ * 100000 + idx,
-            "num_players": len(seats), "num_turns": turns, "started_at": T0 + timedelta(minutes=round_),
-            "finished_at": T0 + timedelta(minutes=round_, seconds=30), "worker": "w0", "task": "t0", "seats": seats}
+            "group_id": f"r{round_:04d}-{split}-g{idx:05d}", "num_players": len(seats), "num_turns": turns,
+            "started_at": T0 + timedelta(minutes=round_), "finished_at": T0 + timedelta(minutes=round_, seconds=30),
+            "worker": "w0", "task": "t0", "seats": seats}
 
 
 def commit(lake_dir: Path, run: str, round_: int, games: list[dict], checkpoint: str = "ckpt-0") -> None:
     lake.commit_round(lake_dir, run, round_, {
         "checkpoint_uid": checkpoint, "games": len(games), "turns": sum(g["num_turns"] for g in games), "tasks": 1,
-        "completion_tokens": 0, "job_fingerprint": "synthetic", "job": "{}", "started_at": T0,
+        "completion_tokens": 0, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 64,
+        "job_fingerprint": "synthetic", "job": "{}", "started_at": T0,
         "committed_at": T0 + timedelta(minutes=round_ + 1)})
 
 
@@ -76,13 +79,17 @@ def turn_rows(g: dict, rng: random.Random, hostile: bool) -> list[dict]:
     for t in range(g["num_turns"]):
         s = g["seats"][t % len(g["seats"])]
         text = HOSTILE[(t + len(rows)) % len(HOSTILE)] if hostile else f"move {t}"
-        rows.append({"game_id": g["game_id"], "turn": t, "pid": s["pid"], "model_uid": s["model_uid"],
-                     "is_learner": s["is_learner"], "split": g["split"], "env_id": g["env_id"], "seed": g["seed"],
-                     "observation": f"[GAME] board {t}\n{text}", "prompt": f"<|im_start|>user\n{text}<|im_end|>",
-                     "completion": f"I think {text} so \\boxed{{[{t}]}}", "action": f"[{t}]",
-                     "format_ok": rng.random() < 0.8, "invalid_move": rng.random() < 0.1, "step_info": "{}",
-                     "prompt_tokens": 50 + t, "completion_tokens": 10 + rng.randrange(20), "truncated": False,
-                     "logprobs": [-0.5, -0.25], "latency_s": 0.01})
+        row = {"game_id": g["game_id"], "turn": t, "pid": s["pid"], "model_uid": s["model_uid"],
+               "is_learner": s["is_learner"], "split": g["split"], "env_id": g["env_id"], "seed": g["seed"],
+               "group_id": g["group_id"], "observation": f"[GAME] board {t}\n{text}",
+               "prompt": f"<|im_start|>user\n{text}<|im_end|>", "completion": f"I think {text} so \\boxed{{[{t}]}}",
+               "action": f"[{t}]", "format_ok": rng.random() < 0.8, "invalid_move": rng.random() < 0.1,
+               "step_info": "{}", "prompt_tokens": 50 + t, "completion_tokens": 10 + rng.randrange(20),
+               "truncated": False, "latency_s": 0.01}
+        # one id and one behaviour log-prob per completion token, as the engines write them (stand-in ids)
+        n = row["completion_tokens"]
+        row.update(completion_token_ids=[(31 * t + k) % 4096 for k in range(n)], logprobs=[-0.5] * n)
+        rows.append(row)
     return rows
 
 
@@ -153,6 +160,7 @@ def duel_table(n: int, strengths: np.ndarray, rng: np.random.Generator, env_ids:
     return pa.table({
         "game_id": pa.array([f"r{round_:04d}-g{k:08d}" for k in ids.tolist()]), "split": pa.array(np.full(n, "train")),
         "env_id": pa.array(np.array(env_ids, dtype=object)[ids % len(env_ids)]), "seed": pa.array(ids, pa.int64()),
+        "group_id": pa.array([f"r{round_:04d}-train-g{k:08d}" for k in ids.tolist()]),
         "num_players": pa.array(np.full(n, 2), pa.int32()), "num_turns": pa.array(np.full(n, 5), pa.int32()),
         "started_at": pa.array(np.full(n, T0)), "finished_at": pa.array(np.full(n, T0)),
         "worker": pa.array(np.full(n, "w0")), "task": pa.array(np.full(n, "t0")),

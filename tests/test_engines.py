@@ -1,4 +1,4 @@
-"""HFEngine on builtin:tiny: batching, left padding, raw log-probs, seeding, hostile input, LoRA."""
+"""HFEngine on builtin:tiny: batching, left padding, behaviour log-probs, seeding, hostile input, LoRA."""
 import sys
 import types
 from types import SimpleNamespace
@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from adapters import random_adapters, sample_prompts, texts
+from adapters import draw_statistics, random_adapters, recompute_logprobs, sample_prompts, texts
 
 from unstable_dask.config import ModelConfig
-from unstable_dask.engines import Adapter, get_engine
+from unstable_dask.engines import Adapter, encode_prompts, get_engine, prompt_budget
 
 GREEDY = ModelConfig(temperature=0.0, max_new_tokens=12, max_model_len=256, hf_max_batch=8)
 
@@ -66,7 +66,7 @@ def test_batched_generate_counts_and_logprobs(engine):
         assert len(g.logprobs) == g.completion_tokens and all(x <= 0 for x in g.logprobs)
         assert g.truncated == (g.completion_tokens == GREEDY.max_new_tokens)
         ids, lps = greedy_reference(engine, p, GREEDY.max_new_tokens)
-        assert g.text == engine.tokenizer.decode(ids, skip_special_tokens=True)
+        assert g.token_ids == ids and g.text == engine.tokenizer.decode(ids, skip_special_tokens=True)
         assert g.logprobs == pytest.approx(lps, abs=1e-4)
 
 
@@ -78,26 +78,30 @@ def test_left_padding_does_not_change_greedy_output(engine):
     assert batched.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
 
 
-def test_logprobs_are_untempered(engine, monkeypatch):
-    hot = get_engine(GREEDY.model_copy(update={"temperature": 3.0, "top_p": 0.9}))
-    captured = {}
-    real = hot.hf.model.generate
+def test_on_policy_ratio_is_one(engine):
+    """At temperature 0.7, top_p 0.95 the stored log-probs are those of the distribution each token was
+    drawn from: a plain fp32 forward pass over prompt + completion_token_ids through sampling_logprobs
+    (the learner's computation) reproduces every one, so the on-policy ratio is 1 within 1e-4."""
+    cfg = GREEDY.model_copy(update={"temperature": 0.7, "top_p": 0.95, "max_new_tokens": 24})
+    hot = get_engine(cfg)
+    ps = prompts(engine) * 3  # identical prompts in one batch must still sample independently
+    gens = hot.generate(ps, seed=11)
+    for g in gens:
+        assert len(g.token_ids) == g.completion_tokens == len(g.logprobs)
+        assert engine.tokenizer.decode(g.token_ids, skip_special_tokens=True) == g.text
+    assert len({tuple(g.token_ids) for g in gens}) == len(gens)
+    ids = encode_prompts(engine.tokenizer, ps, prompt_budget(cfg))
+    path = engine.tokenizer.name_or_path
+    stored = torch.tensor([x for g in gens for x in g.logprobs])
 
-    def spy(**kw):
-        captured["width"] = kw["input_ids"].shape[1]
-        captured["seqs"] = real(**kw)
-        return captured["seqs"]
+    def recomputed(temperature, top_p):
+        return torch.tensor([x for row in recompute_logprobs(path, ids, gens, temperature, top_p) for x in row])
 
-    monkeypatch.setattr(hot.hf.model, "generate", spy)
-    p = prompts(engine)[0]
-    [g] = hot.generate([p], seed=3)
-    seqs = captured["seqs"][0]
-    with torch.no_grad():
-        logp = torch.log_softmax(hot.hf.base(seqs[None]).logits[0].float(), -1)
-    n_prompt = captured["width"]
-    new = seqs[n_prompt:n_prompt + g.completion_tokens]
-    expected = logp[n_prompt - 1:n_prompt - 1 + len(new)].gather(1, new[:, None])[:, 0]
-    assert g.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+    ratio = torch.exp(recomputed(0.7, 0.95) - stored)
+    assert len(stored) > 100 and (ratio - 1).abs().max() < 1e-4
+    # The check can tell the distributions apart: without the nucleus, or at T = 1, it misses by far.
+    assert (stored - recomputed(0.7, 1.0)).abs().max() > 1e-2
+    assert (stored - recomputed(1.0, 0.95)).abs().max() > 1e-2
 
 
 def test_seeded_sampling_is_reproducible(engine):
@@ -207,6 +211,7 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     init = calls["init"]
     assert init["enable_lora"] and init["max_lora_rank"] == 32 and init["max_loras"] == 2
     assert init["max_num_seqs"] == 7 and init["dtype"] == "float32" and init["max_model_len"] == 256
+    assert init["logprobs_mode"] == "processed_logprobs"  # log-probs of the distribution sampled from
 
     gens = eng.generate(["", "x" * 100_000, eng.chat_prompt("hi")], seed=10)
     sent, params, lora = calls["generate"]
@@ -214,6 +219,8 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     assert [g.prompt_tokens for g in gens] == [len(p["prompt_token_ids"]) for p in sent]
     assert gens[1].prompt_tokens == cfg.max_model_len - cfg.max_new_tokens
     assert all(g.completion_tokens == 3 and g.logprobs == [-1.0, -2.0, -3.0] and not g.truncated for g in gens)
+    assert all(g.token_ids == [5, 6, 7] and g.text == eng.tokenizer.decode([5, 6, 7], skip_special_tokens=True)
+               for g in gens)
 
     a, b = adapters
     ids = []
@@ -249,3 +256,12 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     eng.close()
     assert get_engine(cfg) is not eng
     get_engine(cfg).close()
+
+
+def test_tokens_are_drawn_from_the_recorded_distribution(engine):
+    """The engine samples from the very distribution it records (not, say, one warped twice): the mean
+    stored log-prob of 2000 draws from one prompt matches its expectation -H(pi_b)."""
+    cfg = GREEDY.model_copy(update={"temperature": 0.7, "top_p": 0.95, "max_new_tokens": 1, "hf_max_batch": 500})
+    mean, expected, se = draw_statistics(get_engine(cfg), engine.tokenizer.name_or_path, prompts(engine)[0],
+                                         2000, 0.7, 0.95)
+    assert abs(mean - expected) < 4 * se

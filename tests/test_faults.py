@@ -147,8 +147,9 @@ def test_foreign_and_torn_files_are_skipped_with_a_message(tmp_path, caplog):
 
 
 def test_lake_from_an_older_schema_still_reads(tmp_path):
-    """A turns file written before `logprobs`/`latency_s` existed, and a commit marker without
-    `attempt`, read beside current files: the missing columns are null."""
+    """A turns file written before `logprobs`/`latency_s`/`group_id`/`completion_token_ids` existed,
+    and a commit marker without `attempt` or sampling settings, read beside current files: the
+    missing columns are null."""
     import pyarrow.parquet as pq
     old_turns = pa.table({"game_id": ["old"], "turn": pa.array([0], pa.int32()), "pid": pa.array([0], pa.int32()),
                           "prompt": ["p"], "completion": ["c"], "format_ok": [True]})
@@ -163,6 +164,16 @@ def test_lake_from_an_older_schema_still_reads(tmp_path):
     rows = lk.query(tmp_path, "SELECT game_id, round, logprobs, latency_s FROM turns ORDER BY round").to_pylist()
     assert rows == [{"game_id": "old", "round": 0, "logprobs": None, "latency_s": None},
                     {"game_id": "new", "round": 1, "logprobs": [-0.5], "latency_s": 0.1}]
+    lk.write_table(tmp_path, "turns", "r", 2, "task-0000.def", [{"game_id": "grouped", "turn": 0, "pid": 0,
+                                                                 "group_id": "r-r0002-train-g00000",
+                                                                 "completion_token_ids": [7, 2], "logprobs": [-1, -2]}])
+    lk.commit_round(tmp_path, "r", 2, {"attempt": "def", "checkpoint_uid": "base", "temperature": 0.7})
+    rows = lk.query(tmp_path, "SELECT game_id, group_id, completion_token_ids FROM turns ORDER BY round").to_pylist()
+    assert rows == [{"game_id": "old", "group_id": None, "completion_token_ids": None},
+                    {"game_id": "new", "group_id": None, "completion_token_ids": None},
+                    {"game_id": "grouped", "group_id": "r-r0002-train-g00000", "completion_token_ids": [7, 2]}]
+    assert lk.query(tmp_path, "SELECT round, temperature FROM rounds ORDER BY round").to_pylist() == [
+        {"round": 0, "temperature": None}, {"round": 1, "temperature": None}, {"round": 2, "temperature": 0.7}]
 
 
 def _run(args, tmp_path, **kw):

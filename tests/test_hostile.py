@@ -45,7 +45,9 @@ class HostileEngine:
         for _ in prompts:
             t = self.texts[self.i % len(self.texts)]
             self.i += 1
-            out.append(Generation(text=t, prompt_tokens=1, completion_tokens=len(t) // 4, truncated=False, logprobs=None))
+            n = len(t) // 4  # stand-in token ids, one per counted token
+            out.append(Generation(text=t, prompt_tokens=1, completion_tokens=n, truncated=False, logprobs=None,
+                                  token_ids=list(range(n))))
         return out
 
 

@@ -1,5 +1,6 @@
 """A generation round end to end: real TextArena games, a real 2-worker LocalCluster, real DuckDB."""
 import dataclasses
+from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 import pytest
@@ -77,8 +78,8 @@ def test_schedule_is_deterministic_and_rotates_seats(tmp_path):
 
 
 def _random_task(tmp_path, n: int) -> TaskSpec:
-    games = tuple(GameSpec(f"g{i}", "train", env, 1000 + i, "qwen3-zs", (Seat(0, RANDOM_UID, None, False),
-                                                                    Seat(1, RANDOM_UID, None, False)))
+    seats = (Seat(0, RANDOM_UID, None, False), Seat(1, RANDOM_UID, None, False))
+    games = tuple(GameSpec(f"g{i}", "train", env, 1000 + i, f"g{i}", "qwen3-zs", seats)
                   for i, env in enumerate(["KuhnPoker-v0-train", "TicTacToe-v0-train", "ConnectFour-v0-train"] * n))
     return TaskSpec("task-0000", "r", 0, games)
 
@@ -139,3 +140,84 @@ def test_three_player_games_with_fixed_random_opponents(tmp_path):
         assert {s["reward"] for s in g["seats"]} <= {-1.0, 0.0, 1.0}
     pids = set(pq.read_table(tmp_path / "lake" / "turns").column("pid").to_pylist())
     assert pids == {0, 1, 2}
+
+
+def test_schedule_plays_each_train_start_state_group_size_times(tmp_path):
+    job = _job(tmp_path, **{"round.group_size": 4, "round.train_games": 12, "round.eval_games": 3,
+                            "round.train_envs": [{"env_id": "TicTacToe-v0-train", "num_actors": 1},
+                                                 {"env_id": "KuhnPoker-v0-train", "num_actors": 1}],
+                            "round.opponents": {"strategy": "fixed", "fixed": ["random", "base"]}})
+    cks = list_checkpoints(job.run.lake, "demo")
+    games = [g for t in schedule_round(job, 2, cks[-1], cks) for g in t.games]
+    train = [g for g in games if g.split == "train"]
+    assert len(train) == 12 and len({g.game_id for g in games}) == 15
+    groups = {}
+    for g in train:
+        groups.setdefault(g.group_id, []).append(g)
+    assert sorted(groups) == [f"demo-r0002-train-g{i:05d}" for i in range(3)]
+    for members in groups.values():
+        assert len(members) == 4
+        assert len({(g.env_id, g.seed, g.template, g.seats) for g in members}) == 1  # one start state
+    assert len({g.seed for g in train}) == 3
+    evals = [g for g in games if g.split == "eval"]
+    assert [g.group_id for g in evals] == [f"demo-r0002-eval-g{i:05d}" for i in range(3)]  # one game each
+    # group_size = 1 schedules exactly what the round scheduled before groups existed
+    single = [g for t in schedule_round(job.model_copy(update={"round": job.round.model_copy(
+        update={"group_size": 1})}), 2, cks[-1], cks) for g in t.games]
+    assert [g.seed for g in single if g.split == "train"][:3] == [members[0].seed for members in groups.values()]
+
+
+@pytest.mark.slow
+def test_round_plays_groups_with_exact_tokens(tmp_path, local_client):
+    """A real round with round.group_size = 4: each train start state is played 4 times (same env,
+    seed, seating and opponents, distinct game ids) with independent sampling; turns carry group_id
+    and completion_token_ids, and the lake alone reproduces every behaviour log-prob."""
+    job = _job(tmp_path, **{"round.group_size": 4, "round.train_games": 16, "round.eval_games": 2,
+                            "model.temperature": 0.9, "model.top_p": 0.95,
+                            "round.train_envs": [{"env_id": "SimpleTak-v0-train", "num_actors": 2},
+                                                 {"env_id": "KuhnPoker-v0-train", "num_actors": 1}],
+                            "round.opponents": {"strategy": "fixed", "fixed": ["random", "base"]}})
+    play_round(job, client=local_client)
+    con = lk.connect(job.run.lake)
+    per_seat = con.sql("""SELECT group_id, pid, count(*), count(DISTINCT game_id), count(DISTINCT env_id),
+                                 count(DISTINCT seed), count(DISTINCT model_uid), count(DISTINCT is_learner)
+                          FROM seats WHERE split = 'train' GROUP BY ALL""").fetchall()
+    assert len({r[0] for r in per_seat}) == 4
+    assert all(r[2:] == (4, 4, 1, 1, 1, 1) for r in per_seat), per_seat
+    spans = con.sql("SELECT count(DISTINCT task) FROM games WHERE group_id = 'demo-r0000-train-g00000'").fetchall()
+    assert spans == [(2,)]  # 4 games, 3 per task: this group straddles two tasks
+    evals = con.sql("SELECT group_id, count(*) FROM games WHERE split = 'eval' GROUP BY 1").fetchall()
+    assert len(evals) == 2 and all(n == 1 for _, n in evals)
+    # Same start state, independent samples: the first turn sees one observation per group, and
+    # where a model moves first its 4 completions differ (including across tasks: g00000 spans two).
+    first = con.sql("""SELECT group_id, count(DISTINCT observation), count(DISTINCT prompt),
+                              count(DISTINCT completion), count(completion)
+                       FROM turns WHERE split = 'train' AND turn = 0 GROUP BY 1""").fetchall()
+    assert all(r[1] == 1 for r in first)
+    model_first = [r for r in first if r[4] == 4]
+    assert model_first and all(r[2] == 1 and r[3] == 4 for r in model_first), first
+    assert con.sql("""SELECT count(*) FROM turns t JOIN games g USING (run, round, game_id)
+                      WHERE t.group_id IS DISTINCT FROM g.group_id""").fetchall() == [(0,)]
+    # Exact tokens: the stored text is the decode of the stored ids; the random agent has none.
+    rows = con.sql("""SELECT model_uid, prompt, prompt_tokens, completion, completion_tokens, completion_token_ids,
+                             logprobs FROM turns ORDER BY game_id, turn""").to_arrow_table().to_pylist()
+    from transformers import AutoTokenizer
+    from adapters import recompute_logprobs
+    from unstable_dask.engines import encode_prompts
+    from unstable_dask.models import resolve_model
+    path = resolve_model(job.model.base)
+    tok = AutoTokenizer.from_pretrained(path)
+    model_rows = [r for r in rows if r["model_uid"] != RANDOM_UID]
+    assert all(r["completion_token_ids"] is None for r in rows if r["model_uid"] == RANDOM_UID)
+    for r in model_rows:
+        assert len(r["completion_token_ids"]) == r["completion_tokens"] == len(r["logprobs"])
+        assert tok.decode(r["completion_token_ids"], skip_special_tokens=True) == r["completion"]
+    # ... and the behaviour log-probs follow from the lake: prompt ids = the last prompt_tokens ids
+    # of the stored prompt, completion ids as stored, the round's temperature and top_p.
+    sample = model_rows[:48]
+    gens = [SimpleNamespace(token_ids=r["completion_token_ids"]) for r in sample]
+    ids = [encode_prompts(tok, [r["prompt"]], r["prompt_tokens"])[0] for r in sample]
+    commit = con.sql("SELECT temperature, top_p, max_new_tokens FROM rounds").fetchall()
+    assert commit == [(0.9, 0.95, 16)]
+    again = recompute_logprobs(path, ids, gens, *commit[0][:2])
+    assert max(abs(a - b) for r, row in zip(sample, again) for a, b in zip(r["logprobs"], row)) < 1e-4

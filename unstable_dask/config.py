@@ -13,7 +13,8 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from .templates import TEMPLATE_NAMES
 
@@ -174,7 +175,10 @@ class OpponentConfig(_Strict):
 
 
 class RoundConfig(_Strict):
-    train_games: int = Field(16, ge=0)
+    # Each scheduled train start state (env, seed, seating, opponents) is played group_size times
+    # with independent sampling: a GRPO group. Declared before train_games, which is checked against it.
+    group_size: int = Field(1, ge=1)
+    train_games: int = Field(16, ge=0, validate_default=True)  # games played, a multiple of group_size
     eval_games: int = Field(4, ge=0)
     games_per_task: int = Field(8, gt=0)  # a task = one Dask task writing one file per table
     concurrency: int = Field(8, gt=0)  # games in flight inside one task (one batched generate per step)
@@ -191,6 +195,15 @@ class RoundConfig(_Strict):
             raise ValueError(f"train_games + eval_games = {self.train_games + self.eval_games:,}: a round plays at most "
                              f"{MAX_GAMES_PER_ROUND:,} games (config.MAX_GAMES_PER_ROUND); play more rounds instead")
         return self
+
+    @field_validator("train_games")
+    @classmethod
+    def _whole_groups(cls, v: int, info: ValidationInfo) -> int:
+        g = info.data.get("group_size")
+        if g and v % g:
+            raise ValueError(f"must be a multiple of round.group_size ({g}): each start state is played "
+                             f"group_size times")
+        return v
 
 
 class LearnConfig(_Strict):

@@ -37,7 +37,9 @@ class Generation:
     prompt_tokens: int  # tokens actually fed (after left truncation)
     completion_tokens: int  # generated tokens, the EOS token included when one was generated
     truncated: bool  # stopped at max_new_tokens without EOS
-    logprobs: Optional[list[float]]  # log_softmax of the un-tempered logits, one per completion token
+    # Behaviour log-prob of each generated token: sampling.sampling_logprobs(logits, T, top_p).
+    logprobs: Optional[list[float]]
+    token_ids: list[int]  # the generated ids (len == completion_tokens); text is their decode
 
 
 class Engine(Protocol):
@@ -93,16 +95,19 @@ def check_adapter(adapter: Adapter) -> None:
 
 # ---------------------------------------------------------------- transformers backend
 
-def _token_logprob_processor(temperature: float, top_p: float):
-    """A logits processor that records raw log-probs and then applies temperature and top-p itself.
+def _behaviour_logprob_processor(temperature: float, top_p: float):
+    """A logits processor that replaces the scores by the behaviour log-probs and records the sampled ones.
 
-    Doing the warping here (instead of generate's own warpers) pins the order, so the recorded
-    log-probs are always of the un-tempered logits, whatever the transformers version.
+    It returns `sampling_logprobs(scores, temperature, top_p)` (normalised log-probs, -inf outside
+    the nucleus) with generate's own warpers switched off, so generate draws each token from
+    exactly the distribution whose log-prob is recorded: one computation, not two.
     """
     import torch
     from transformers import LogitsProcessor
 
-    class TokenLogprobs(LogitsProcessor):
+    from unstable_dask.sampling import sampling_logprobs
+
+    class BehaviourLogprobs(LogitsProcessor):
         def __init__(self) -> None:
             self.prev: Optional[torch.Tensor] = None  # log-probs of the step whose token is not known yet
             self.steps: list[torch.Tensor] = []
@@ -110,16 +115,8 @@ def _token_logprob_processor(temperature: float, top_p: float):
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
             if self.prev is not None:  # input_ids now end with the token sampled from `prev`
                 self.steps.append(self.prev.gather(1, input_ids[:, -1:])[:, 0])
-            self.prev = torch.log_softmax(scores.float(), dim=-1)
-            if temperature <= 0:
-                return scores
-            scores = scores / temperature
-            if top_p < 1.0:
-                sorted_scores, order = scores.sort(dim=-1, descending=True)
-                probs = sorted_scores.softmax(dim=-1)
-                drop = probs.cumsum(dim=-1) - probs > top_p  # mass before a token already covers top_p
-                scores = scores.scatter(1, order, sorted_scores.masked_fill(drop, float("-inf")))
-            return scores
+            self.prev = sampling_logprobs(scores, temperature, top_p)
+            return self.prev
 
         def finish(self, sequences: torch.Tensor) -> torch.Tensor:
             """(batch, new_tokens) log-probs, once generate has returned."""
@@ -127,7 +124,7 @@ def _token_logprob_processor(temperature: float, top_p: float):
                 self.steps.append(self.prev.gather(1, sequences[:, -1:])[:, 0])
             return torch.stack(self.steps, dim=1)
 
-    return TokenLogprobs()
+    return BehaviourLogprobs()
 
 
 class _HFModel:
@@ -195,7 +192,7 @@ class _HFModel:
 
 
 class HFEngine:
-    """transformers `generate`: batched, left-padded, raw per-token log-probs, peft LoRA hot-swap."""
+    """transformers `generate`: batched, left-padded, behaviour log-probs, peft LoRA hot-swap."""
 
     def __init__(self, cfg: ModelConfig, hf: Optional[_HFModel] = None) -> None:
         self.cfg = cfg
@@ -238,7 +235,8 @@ class HFEngine:
         pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch], device=hf.device)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch], device=hf.device)
-        recorder = _token_logprob_processor(cfg.temperature, cfg.top_p)
+        recorder = _behaviour_logprob_processor(cfg.temperature, cfg.top_p)
+        # The recorder already returns the behaviour distribution: generate must not warp it again.
         sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if cfg.temperature > 0 else {}
         seqs = hf.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
                                  logits_processor=[recorder], eos_token_id=hf.eos_ids, pad_token_id=pad,
@@ -253,7 +251,7 @@ class HFEngine:
             tokens = new[row, :n].tolist()
             out.append(Generation(text=self.tokenizer.decode(tokens, skip_special_tokens=True),
                                   prompt_tokens=len(x), completion_tokens=n,
-                                  truncated=not len(hits), logprobs=logprobs[row][:n]))
+                                  truncated=not len(hits), logprobs=logprobs[row][:n], token_ids=tokens))
         return out
 
     def sleep(self) -> None:

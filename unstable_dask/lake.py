@@ -42,7 +42,8 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("game_id", pa.string()),
         ("split", pa.string()),  # train | eval
         ("env_id", pa.string()),
-        ("seed", pa.int64()),
+        ("seed", pa.int64()),  # the env seed (reset(seed=...)); shared by the games of a group
+        ("group_id", pa.string()),  # games of one start state: same env, seed, seats (round.group_size)
         ("num_players", pa.int32()),
         ("num_turns", pa.int32()),
         ("started_at", pa.timestamp("us", tz="UTC")),
@@ -59,7 +60,8 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("is_learner", pa.bool_()),
         ("split", pa.string()),
         ("env_id", pa.string()),
-        ("seed", pa.int64()),  # the game's seed (GRPO groups by it)
+        ("seed", pa.int64()),  # the game's env seed
+        ("group_id", pa.string()),  # the game's group (GRPO compares the (group_id, pid) attempts)
         ("observation", pa.string()),
         ("prompt", pa.string()),  # exact text fed to the model (null for the random agent)
         ("completion", pa.string()),  # raw model output
@@ -69,8 +71,11 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("step_info", pa.string()),  # JSON
         ("prompt_tokens", pa.int32()),
         ("completion_tokens", pa.int32()),
+        # the exact ids the engine generated (EOS included when generated); null for the random agent
+        ("completion_token_ids", pa.list_(pa.int32())),
         ("truncated", pa.bool_()),  # generation stopped at max_new_tokens
-        ("logprobs", pa.list_(pa.float32())),  # per completion token, when the engine gives them
+        # behaviour log-prob of each completion token: sampling.sampling_logprobs(logits, T, top_p)
+        ("logprobs", pa.list_(pa.float32())),
         ("latency_s", pa.float64()),  # wall time of the batched generate call this turn was in
     ]),
     "rounds": pa.schema([
@@ -80,6 +85,9 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("turns", pa.int64()),
         ("tasks", pa.int64()),
         ("completion_tokens", pa.int64()),
+        ("temperature", pa.float64()),  # the sampling settings the round's games were played with
+        ("top_p", pa.float64()),
+        ("max_new_tokens", pa.int64()),
         ("job_fingerprint", pa.string()),
         ("job", pa.string()),  # the validated job as JSON
         ("started_at", pa.timestamp("us", tz="UTC")),
@@ -288,7 +296,7 @@ TABLES = ("games", "turns", "rounds", "checkpoints", "learner_steps", "ratings",
 
 
 SEATS_VIEW = """CREATE OR REPLACE VIEW seats AS
-    SELECT g.run, g.round, g.game_id, g.split, g.env_id, g.seed, g.num_players, g.num_turns,
+    SELECT g.run, g.round, g.game_id, g.split, g.env_id, g.seed, g.group_id, g.num_players, g.num_turns,
            s.pid, s.model_uid, s.is_learner, s.role, s.reward, s.invalid_move, s.reason
     FROM games g, UNNEST(g.seats) AS t(s)"""
 

@@ -68,7 +68,9 @@ def _start(spec: GameSpec, cfg: RoundConfig) -> _Game:
     finally:
         random.setstate(outer)
     _state(env).error_allowance = cfg.error_allowance
-    return _Game(spec, env, rng_state, random.Random(spec.seed), lk.now())
+    # The random agent draws per game (not per seed): in a group it is an opponent that samples
+    # independently, like a model opponent, while the env's start state is the group's.
+    return _Game(spec, env, rng_state, random.Random(spec.game_id), lk.now())
 
 
 def _seat_row(seat, reward, info) -> dict:
@@ -84,8 +86,8 @@ def _finish(g: _Game, worker: str, task: str, capped: bool) -> dict:
     else:
         rewards, infos = g.call(g.env.close)
     return dict(game_id=g.spec.game_id, split=g.spec.split, env_id=g.spec.env_id, seed=g.spec.seed,
-                num_players=len(g.spec.seats), num_turns=len(g.turns), started_at=g.started_at,
-                finished_at=lk.now(), worker=worker, task=task,
+                group_id=g.spec.group_id, num_players=len(g.spec.seats), num_turns=len(g.turns),
+                started_at=g.started_at, finished_at=lk.now(), worker=worker, task=task,
                 seats=[_seat_row(s, rewards.get(s.pid, 0.0), infos.get(s.pid, {})) for s in g.spec.seats])
 
 
@@ -131,11 +133,13 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
             pid, obs = g.call(g.env.get_observation)
             seat = g.spec.seats[pid]
             base_row = dict(game_id=g.spec.game_id, pid=pid, model_uid=seat.model_uid, is_learner=seat.is_learner,
-                            split=g.spec.split, env_id=g.spec.env_id, seed=g.spec.seed, observation=obs)
+                            split=g.spec.split, env_id=g.spec.env_id, seed=g.spec.seed, group_id=g.spec.group_id,
+                            observation=obs)
             if seat.is_random:
                 move = random_move(g.spec.env_id, obs, g.agent_rng) or "[pass]"
                 base_row.update(prompt=None, completion=None, format_ok=None, prompt_tokens=0,
-                                completion_tokens=0, truncated=False, logprobs=None, latency_s=0.0)
+                                completion_tokens=0, completion_token_ids=None, truncated=False, logprobs=None,
+                                latency_s=0.0)
                 if _step(g, pid, move, base_row) or len(g.turns) >= round_cfg.max_turns:
                     finished.append((g, len(g.turns) >= round_cfg.max_turns and not _state(g.env).done))
                 continue
@@ -147,8 +151,10 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
                 from .engines import Adapter
                 adapter = Adapter(reqs[0][3], adapter_path)
             t = time.perf_counter()
-            # Seeded per (task, step, adapter group): a round replays the same samples on the hf engine.
-            step_seed = (task.games[0].seed + 1_000_003 * n_steps + zlib.crc32((adapter_path or '').encode())) % 2**31
+            # Seeded per (task, step, adapter): a round replays the same samples on the hf engine. The
+            # first game's id tells tasks apart (one group's seed can lead two tasks); its seed, runs.
+            first = task.games[0]
+            step_seed = zlib.crc32(f"{first.game_id}/{first.seed}/{n_steps}/{adapter_path or ''}".encode())
             outs = engine.generate([r[2] for r in reqs], adapter=adapter, seed=step_seed)
             dt = time.perf_counter() - t
             gen_time += dt
@@ -157,7 +163,8 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
                 action, ok = extract_action(text)
                 tokens += out.completion_tokens
                 row.update(prompt=prompt, completion=text, format_ok=ok, prompt_tokens=out.prompt_tokens,
-                           completion_tokens=out.completion_tokens, truncated=out.truncated,
+                           completion_tokens=out.completion_tokens, completion_token_ids=out.token_ids,
+                           truncated=out.truncated,
                            logprobs=out.logprobs, latency_s=dt)
                 if _step(g, pid, action, row) or len(g.turns) >= round_cfg.max_turns:
                     finished.append((g, len(g.turns) >= round_cfg.max_turns and not _state(g.env).done))

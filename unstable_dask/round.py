@@ -107,7 +107,8 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
     try:
         lk.commit_round(lake, run, round_, dict(
             attempt=attempt, checkpoint_uid=current.uid, games=summary.games, turns=summary.turns, tasks=len(tasks),
-        completion_tokens=summary.completion_tokens, job_fingerprint=job.fingerprint(),
+            completion_tokens=summary.completion_tokens, temperature=job.model.temperature, top_p=job.model.top_p,
+            max_new_tokens=job.model.max_new_tokens, job_fingerprint=job.fingerprint(),
             job=json.dumps(job.model_dump(mode="json"), sort_keys=True), started_at=started, committed_at=lk.now()))
     except FileExistsError:
         raise JobError(f"round {round_} of run {run!r} was committed by another driver while this one played; "

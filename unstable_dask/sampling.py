@@ -37,3 +37,20 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return torch.log_softmax(scores, dim=-1)
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor,
+                   temperature: float, top_p: float) -> torch.Tensor:
+    """log pi(x_t | x_<t) under (temperature, top_p) for the tokens x_1..x_L-1 of right-padded rows.
+
+    One forward pass of `model` over `input_ids` [B, L]; returns [B, L-1] float32 where entry t-1
+    scores token t when `target_mask[:, t-1]` is set (the completion tokens) and 0 elsewhere. Only
+    the masked positions go through `sampling_logprobs` (a sort over the vocabulary), so prompts
+    cost no memory there, and a prompt token outside the nucleus (-inf) never meets a 0 mask (NaN).
+    On the weights a round played with, this reproduces the engines' stored `logprobs`.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    keep = target_mask.bool()
+    picked = sampling_logprobs(logits[keep], temperature, top_p)
+    values = picked.gather(-1, input_ids[:, 1:][keep].unsqueeze(-1)).squeeze(-1)
+    return torch.zeros(keep.shape, dtype=values.dtype, device=values.device).masked_scatter(keep, values)

@@ -1,7 +1,9 @@
 """What a round plays: games (env, seed, who sits where) split into tasks. Pure and deterministic.
 
-Game ids and seeds come from (run seed, round, split, index), so a re-run of a round schedules the
-same games and every task writes the same file names.
+Train games come in groups of `round.group_size`: one draw of env, seed, seating and opponents,
+played that many times as distinct games (the G exchangeable attempts GRPO compares). Game ids,
+group ids and seeds come from (run seed, round, split, index), so a re-run of a round schedules
+the same games and every task writes the same file names.
 """
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ class GameSpec:
     game_id: str
     split: str  # train | eval
     env_id: str
-    seed: int
+    seed: int  # the env seed: one per group, so a group's games start from the same state
+    group_id: str  # <run>-r<round>-<split>-g<index>: games of one start state (eval: one game each)
     template: str
     seats: tuple[Seat, ...]
 
@@ -210,16 +213,18 @@ def _pick_env(specs: list[EnvSpec], weighted: bool, rng: np.random.Generator) ->
 
 
 def schedule_games(job: Job, round_: int, current: Checkpoint, checkpoints: list[Checkpoint]) -> list[GameSpec]:
+    """Train games in groups of round.group_size (one start state each), then eval games (one each)."""
     pool = OpponentPool(job, current, checkpoints)
     learner = Seat(0, current.uid, current.adapter, True)
     games = []
-    for split, count, specs in (("train", job.round.train_games, job.round.train_envs),
-                                ("eval", job.round.eval_games, job.round.eval_envs)):
-        for i in range(count):
+    for split, count, size, specs in (("train", job.round.train_games, job.round.group_size, job.round.train_envs),
+                                      ("eval", job.round.eval_games, 1, job.round.eval_envs)):
+        # A group is one draw of env, seed, seating and opponents; its games differ only in sampling.
+        for i in range(count // size):
             seed = _seed(job.run.seed, round_, 0 if split == "train" else 1, i)
             rng = np.random.default_rng(seed)
             spec = _pick_env(specs, job.round.env_sampling == "weighted", rng)
-            # The learner's seats rotate with the game index so it plays every position.
+            # The learner's seats rotate with the group index so it plays every position.
             actors = {(i + k) % spec.num_players for k in range(spec.num_actors)}
             seats = []
             for pid in range(spec.num_players):
@@ -233,9 +238,11 @@ def schedule_games(job: Job, round_: int, current: Checkpoint, checkpoints: list
                     names, key = pool.candidates(), "round.opponents"
                     w = pool.weights(names)
                 seats.append(pool.seat(names[rng.choice(len(names), p=w)], pid, key))
-            games.append(GameSpec(
-                game_id=f"{job.run.name}-r{round_:04d}-{split}-{i:05d}", split=split, env_id=spec.env_id,
-                seed=seed, template=spec.template or job.model.template, seats=tuple(seats)))
+            prefix = f"{job.run.name}-r{round_:04d}-{split}"
+            for k in range(i * size, (i + 1) * size):
+                games.append(GameSpec(
+                    game_id=f"{prefix}-{k:05d}", split=split, env_id=spec.env_id, seed=seed,
+                    group_id=f"{prefix}-g{i:05d}", template=spec.template or job.model.template, seats=tuple(seats)))
     return games
 
 

@@ -58,7 +58,10 @@ class _VLLMModel:
                     enable_lora=True, max_loras=cfg.vllm.max_loras, max_lora_rank=rank,
                     gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
                     enforce_eager=cfg.vllm.enforce_eager, enable_sleep_mode=self.sleep_mode,
-                    max_num_seqs=cfg.vllm.max_num_seqs)
+                    max_num_seqs=cfg.vllm.max_num_seqs,
+                    # Log-probs after temperature and top-p: those of the distribution vLLM samples
+                    # from, i.e. sampling.sampling_logprobs (the default mode is the raw logits').
+                    logprobs_mode="processed_logprobs")
         args.update(cfg.vllm.extra)  # `extra` may also override the keys above
         self.llm = vllm.LLM(**args)
         # Our own HF tokenizer (same files vLLM loads): identical encoding and chat template
@@ -102,8 +105,8 @@ class VLLMEngine:
 
         def params(i: int) -> Any:
             # One seed per prompt, so identical prompts in a batch still sample independently.
-            # logprobs=1 returns the sampled token's log-prob (plus the top-1); vLLM's default
-            # logprobs mode is raw: log_softmax of the logits before temperature/top-p.
+            # logprobs=1 returns the sampled token's log-prob (plus the top-1), processed: after
+            # temperature and top-p (the engine's logprobs_mode).
             return self.vm.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
                                           max_tokens=cfg.max_new_tokens, logprobs=1,
                                           seed=None if seed is None else seed + i)
@@ -121,8 +124,10 @@ class VLLMEngine:
             logprobs = None
             if c.logprobs is not None:
                 logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, tokens)]
-            gens.append(Generation(text=c.text, prompt_tokens=len(x), completion_tokens=len(tokens),
-                                   truncated=c.finish_reason == "length", logprobs=logprobs))
+            # The text is decoded as the hf engine decodes it, so it is always the decode of token_ids.
+            gens.append(Generation(text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                                   prompt_tokens=len(x), completion_tokens=len(tokens),
+                                   truncated=c.finish_reason == "length", logprobs=logprobs, token_ids=tokens))
         return gens
 
     def sleep(self) -> None:
