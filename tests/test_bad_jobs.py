@@ -1,6 +1,7 @@
 """Every malformed job file gives one clear line naming the key, exit code 2, and writes nothing."""
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,14 +18,24 @@ def _expected(path: Path) -> str:
 
 
 def test_corpus_is_large():
-    assert len(BAD) >= 20
+    assert len(BAD) >= 45
+
+
+@pytest.fixture(scope="module")
+def imported():
+    """The modules a `round` command imports, loaded once: each case then times its own checks."""
+    import unstable_dask.learn  # noqa: F401
+    import unstable_dask.ratings  # noqa: F401
+    import unstable_dask.round  # noqa: F401
 
 
 @pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
-def test_bad_job_file(path, tmp_path, capsys):
+def test_bad_job_file(path, tmp_path, capsys, imported):
     lake = tmp_path / "lake"
+    t = time.perf_counter()
     code = run.main(["round", "--job", str(path), "--set", f'run.lake="{lake}"',
                      "--set", f'run.reports="{tmp_path / "reports"}"'])
+    seconds = time.perf_counter() - t
     out = capsys.readouterr()
     message = " ".join(out.err.split())  # rich may wrap long lines
     assert code == 2
@@ -32,20 +43,50 @@ def test_bad_job_file(path, tmp_path, capsys):
     assert str(path) in message or "cluster.address" in message  # names the file
     assert "Traceback" not in out.err + out.out
     assert not lake.exists(), "nothing may be written for a bad job"
+    assert seconds < 5, f"{path.name} took {seconds:.1f} s to be refused"
 
 
-def test_bad_job_in_a_subprocess_has_no_traceback(tmp_path):
+@pytest.mark.parametrize("text, key", [('[round]\ntrain_games = "lots"\n', "round.train_games"),
+                                       ('[learn]\nstep_transforms = ["SELECT nope FROM steps"]\n',
+                                        "learn.step_transforms[0]")], ids=["type", "sql"])
+def test_bad_job_in_a_subprocess_has_no_traceback(tmp_path, text, key):
     bad = tmp_path / "job.toml"
-    bad.write_text('[round]\ntrain_games = "lots"\n')
+    bad.write_text(text)
+    t = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "unstable_dask.run", "round", "--job", str(bad)],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0, p.stderr
-    assert "round.train_games" in p.stderr and "Traceback" not in p.stderr
-    assert not (tmp_path / "lake").exists()
+    assert key in p.stderr and "Traceback" not in p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["job.toml"]  # no lake, no reports, no catalog
+    assert time.perf_counter() - t < 15  # the whole command, Python start and imports included
 
 
 def test_sql_that_writes_is_refused(tmp_path, capsys):
     code = run.main(["sql", f"COPY (SELECT 1) TO '{tmp_path}/x.csv'", "--lake", str(tmp_path)])
     assert code == 2 and "only SELECT" in capsys.readouterr().err
     assert not (tmp_path / "x.csv").exists()
+
+
+def test_shipped_jobs_load_by_name_from_anywhere(tmp_path, monkeypatch):
+    from unstable_dask.config import JobError, load_job
+    here = load_job(Path(__file__).parents[1] / "jobs" / "smollm2-cpu.toml")
+    monkeypatch.chdir(tmp_path)  # outside the checkout, as after `pip install unstable-dask`
+    for name in ("smollm2-cpu", "jobs/smollm2-cpu.toml"):
+        assert load_job(name).model_dump() == here.model_dump()
+    with pytest.raises(JobError, match=r"nope\.toml: job file not found \(shipped jobs: .*demo"):
+        load_job("jobs/nope.toml")
+    with pytest.raises(JobError, match="not found"):
+        load_job("elsewhere/demo.toml")  # only bare names and jobs/<name> fall back to the shipped copy
+
+
+@pytest.mark.slow
+def test_pip_install_ships_the_job_files(tmp_path):
+    import zipfile
+    root = Path(__file__).parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(root),
+                    "-w", str(tmp_path)], check=True, capture_output=True)
+    [wheel] = tmp_path.glob("unstable_dask-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for job in (root / "jobs").glob("*.toml"):
+        assert f"unstable_dask/jobs/{job.name}" in names

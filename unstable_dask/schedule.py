@@ -8,15 +8,18 @@ the same games and every task writes the same file names.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import textarena as ta
+import trueskill
 
 from . import lake as lk
 from .config import EnvSpec, Job, JobError
+from .duels import inherited, make_env
 
 BASE_UID = "base"
 RANDOM_UID = "random"
@@ -64,6 +67,7 @@ class Checkpoint:
     uid: str
     adapter: Optional[str]  # absolute path, None for the base model
     iteration: int
+    parent_uid: Optional[str] = None  # the checkpoint it was trained from (None for the base model)
 
 
 def list_checkpoints(lake: str, run: str) -> list[Checkpoint]:
@@ -73,7 +77,7 @@ def list_checkpoints(lake: str, run: str) -> list[Checkpoint]:
         rows = lk.read_table(lake, "checkpoints", "run = ?", [run]).to_pylist()
         for r in sorted(rows, key=lambda r: r["iteration"]):
             path = r["adapter_path"]
-            out.append(Checkpoint(r["uid"], str(Path(lake) / path) if path else None, r["iteration"]))
+            out.append(Checkpoint(r["uid"], str(Path(lake) / path) if path else None, r["iteration"], r["parent_uid"]))
     return out
 
 
@@ -103,15 +107,59 @@ def _ratings_overall(lake: str, run: str) -> dict[str, tuple[float, float]]:
     return {r["model_uid"]: (r["mu"], r["sigma"]) for r in rows}
 
 
+# Per train game and opponent model: did the learner's best seat score above that opponent's best
+# seat? Mirror seats (the learner's own uid) and games with a missing reward say nothing.
+_OUTCOMES_SQL = """
+WITH s AS (SELECT round, game_id, model_uid, is_learner, reward FROM seats WHERE run = ? AND split = 'train'),
+     l AS (SELECT round, game_id, any_value(model_uid) AS uid, max(reward) AS r FROM s WHERE is_learner GROUP BY ALL),
+     o AS (SELECT round, game_id, model_uid AS uid, max(reward) AS r FROM s WHERE NOT is_learner GROUP BY ALL)
+SELECT o.round, o.uid AS opponent, l.r > o.r AS win
+FROM o JOIN l USING (round, game_id)
+WHERE o.uid <> l.uid AND l.r IS NOT NULL AND o.r IS NOT NULL
+ORDER BY o.round, o.game_id, o.uid"""
+
+
+def win_rate_opponent(job: Job, current: str) -> str:
+    """The opponent of UnstableBaselines' win-rate gate for the next round, replayed from the lake.
+
+    The gate holds one opponent, a snapshot of the learner: the checkpoint that played the run's
+    first round. Before each round, if the learner won more than `win_rate_threshold` of its last
+    `win_rate_games` train games against the held opponent (all of them played since it was taken;
+    a draw is not a win, mirror games do not count), the gate takes the checkpoint about to play
+    instead, and counting starts again. A pure function of the committed rounds.
+    """
+    cfg, lake, run = job.round.opponents, job.run.lake, job.run.name
+    rounds = lk.query(lake, "SELECT round, checkpoint_uid FROM rounds WHERE run = ? ORDER BY round", [run]).to_pylist()
+    games = lk.query(lake, _OUTCOMES_SQL, [run]).to_pylist()
+    n = cfg.win_rate_games
+
+    def passed(wins: deque) -> bool:
+        return len(wins) == n and sum(wins) / n > cfg.win_rate_threshold
+
+    held: Optional[str] = None
+    wins: deque = deque(maxlen=n)  # outcomes against `held` since it was taken, newest last
+    i = 0
+    for r in rounds:
+        if held is None or passed(wins):
+            held, wins = r["checkpoint_uid"], deque(maxlen=n)
+        while i < len(games) and games[i]["round"] <= r["round"]:
+            if games[i]["opponent"] == held:
+                wins.append(bool(games[i]["win"]))
+            i += 1
+    return current if held is None or passed(wins) else held
+
+
 class OpponentPool:
     """Resolves opponent names and samples them with the job's strategy."""
 
     def __init__(self, job: Job, current: Checkpoint, checkpoints: list[Checkpoint]):
         self.job, self.current = job, current
         self.by_uid = {c.uid: c for c in checkpoints}
+        self.parent = {c.uid: c.parent_uid for c in checkpoints}
         self.lagged = [c for c in checkpoints if c.iteration < current.iteration][-job.round.opponents.lag:]
-        self.ratings = (_ratings_overall(job.run.lake, job.run.name)
-                        if job.round.opponents.strategy == "match-quality" else {})
+        strategy = job.round.opponents.strategy
+        self.ratings = _ratings_overall(job.run.lake, job.run.name) if strategy == "match-quality" else {}
+        self.gated = win_rate_opponent(job, current.uid) if strategy == "win-rate" else None
 
     def seat(self, name: str, pid: int, key: str) -> Seat:
         if name == RANDOM_UID:
@@ -133,18 +181,27 @@ class OpponentPool:
             return list(self.job.round.opponents.fixed)
         if strategy == "lagged":
             return [c.uid for c in self.lagged] or [self.current.uid]
-        return [c.uid for c in self.by_uid.values()] + list(self.job.round.opponents.fixed)  # match-quality
+        if strategy == "win-rate":
+            return [self.gated]
+        # match-quality: anyone but the checkpoint itself (mirror games move no rating)
+        names = list(dict.fromkeys([*self.by_uid, *self.job.round.opponents.fixed]))
+        return [n for n in names if n != self.current.uid] or [self.current.uid]
+
+    def rating(self, uid: str) -> tuple[float, float]:
+        """(mu, sigma) of a model in the overall track: the rate job's, or, for a model that has not
+        played yet (the newest checkpoint), the prior the rate job will give it."""
+        if uid in self.ratings:
+            return self.ratings[uid]
+        r = self.job.ratings
+        return inherited(uid, self.parent.get, self.ratings.get, r.mu, r.sigma, r.inherit_sigma_factor)
 
     def weights(self, names: list[str]) -> np.ndarray:
-        """Match quality with the current checkpoint once ratings exist; uniform until then."""
-        if self.job.round.opponents.strategy != "match-quality" or self.current.uid not in self.ratings:
+        """TrueSkill match quality with the current checkpoint for match-quality; else uniform."""
+        if self.job.round.opponents.strategy != "match-quality":
             return np.full(len(names), 1.0 / len(names))
-        import trueskill
-        r = self.job.ratings
-        env = trueskill.TrueSkill(mu=r.mu, sigma=r.sigma, beta=r.beta, tau=r.tau, draw_probability=r.draw_probability)
-        me = env.create_rating(*self.ratings[self.current.uid])
-        w = np.array([trueskill.quality_1vs1(me, env.create_rating(*self.ratings.get(n, (r.mu, r.sigma))), env=env)
-                      for n in names])
+        env = make_env(self.job.ratings)
+        me = env.create_rating(*self.rating(self.current.uid))
+        w = np.array([trueskill.quality_1vs1(me, env.create_rating(*self.rating(n)), env=env) for n in names])
         return w / w.sum() if w.sum() > 0 else np.full(len(names), 1.0 / len(names))
 
 

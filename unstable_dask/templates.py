@@ -1,7 +1,19 @@
-"""Prompt templates and `\\boxed{}` action extraction, as UnstableBaselines defines them.
+"""Prompt templates and `\\boxed{}` action extraction.
 
 A template turns an observation into the exact text fed to the model; that text is stored in
 `turns.prompt` and is what the learner trains on.
+
+The names UnstableBaselines uses (`default`, `qwen3-zs`, `qwen3-sp`, `qwen3-reasoning`,
+`gemma3-zs`, `llama-instruct-zs`) give its text byte for byte (`unstable/utils/templates.py` of
+unstable-rl 0.2.2), so a model trained with either project sees the same prompts. Variants of
+ours live under their own names:
+
+  plain-zs            the qwen3-zs wording with no chat markup (for base models without a format)
+  qwen3-zs-think      qwen3-zs (the game's own wording) with the assistant turn opened by <think>;
+                      UB's qwen3-reasoning asks a generic "Question:" instead
+  llama3-instruct-zs  Llama 3's own chat format: the user turn closes with <|eot_id|> and no
+                      newline, and the assistant header is followed by "\\n\\n" as in its chat template
+  chat                the tokenizer's own chat template around the plain-zs text
 """
 from __future__ import annotations
 
@@ -12,23 +24,39 @@ _SP = "You are playing a single-player game. Make valid actions to solve it comp
 _ASK = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
+def _plain(obs: str) -> str:
+    return f"{_ZS}\nObservation: {obs}\n{_ASK}"
+
+
 def _qwen3(system: str, obs: str, think: bool = False) -> str:
     return (f"<|im_start|>user\n{system}\nObservation: {obs}\n{_ASK}<|im_end|>\n"
             f"<|im_start|>assistant\n" + ("<think>" if think else ""))
 
 
+def _llama(obs: str, user_end: str, assistant_end: str) -> str:
+    return (f"<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{_ZS}<|eot_id|>"
+            f"<|start_header_id|>user<|end_header_id|>\n\nCurrent Observation: {obs}\n{_ASK}<|eot_id|>{user_end}"
+            f"<|start_header_id|>assistant<|end_header_id|>{assistant_end}")
+
+
 TEMPLATE_FNS: dict[str, Callable[[str], str]] = {
-    "default": lambda obs: f"{_ZS}\nObservation: {obs}\n{_ASK}",
+    # UnstableBaselines 0.2.2, byte for byte (tests/test_templates.py pins every one).
+    "default": lambda obs: (
+        "You are playing a two-player zero-sum game. Make valid moves to win. You should first reason about "
+        f"your next move, and then submit the move enclosed by \\boxed{{}}.\nObservation: {obs}\n"),
     "qwen3-zs": lambda obs: _qwen3(_ZS, obs),
     "qwen3-sp": lambda obs: _qwen3(_SP, obs),
-    "qwen3-reasoning": lambda obs: _qwen3(_ZS, obs, think=True),
+    "qwen3-reasoning": lambda obs: (f"<|im_start|>user\n{_ASK}\nQuestion: {obs}<|im_end|>\n"
+                                    f"<|im_start|>assistant\n<think>"),
     "gemma3-zs": lambda obs: (f"<bos><start_of_turn>user\n{_ZS}\nObservation: {obs}\n{_ASK}<end_of_turn>\n"
                               f"<start_of_turn>model\n"),
-    "llama-instruct-zs": lambda obs: (
-        f"<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{_ZS}<|eot_id|>"
-        f"<|start_header_id|>user<|end_header_id|>\n\nCurrent Observation: {obs}\n{_ASK}<|eot_id|>"
-        f"<|start_header_id|>assistant<|end_header_id|>\n\n"),
+    "llama-instruct-zs": lambda obs: _llama(obs, "\n", ""),
+    # Ours.
+    "plain-zs": _plain,
+    "qwen3-zs-think": lambda obs: _qwen3(_ZS, obs, think=True),
+    "llama3-instruct-zs": lambda obs: _llama(obs, "", "\n\n"),
 }
+TEMPLATE_NAMES = (*TEMPLATE_FNS, "chat")
 
 
 def render_prompt(template: str, obs: str, chat_prompt: Optional[Callable[[str], str]] = None) -> str:
@@ -36,7 +64,7 @@ def render_prompt(template: str, obs: str, chat_prompt: Optional[Callable[[str],
     if template == "chat":
         if chat_prompt is None:
             raise ValueError("template 'chat' needs the engine's chat_prompt")
-        return chat_prompt(f"{_ZS}\nObservation: {obs}\n{_ASK}")
+        return chat_prompt(_plain(obs))
     return TEMPLATE_FNS[template](obs)
 
 
@@ -47,7 +75,15 @@ def _last_boxed(text: str) -> Optional[str]:
     """Content of the last-starting *closed* \\boxed{...}, nested braces included.
 
     One pass with a stack of open braces, so a 100k-character completion full of unclosed
-    `\\boxed{` stays linear (UB's non-greedy regex also breaks on nested braces).
+    `\\boxed{` stays linear.
+
+    UnstableBaselines takes the last match of the regex `\\\\boxed\\{(.*?)\\}`. Where that regex is
+    right (one line, no braces inside the box) both give the same content. Where it is not, ours
+    differs on purpose:
+      - nested braces: UB cuts at the first `}` (`\\boxed{\\frac{1}{2}}` -> `\\frac{1`);
+      - a box spanning lines: UB's `.` stops at a newline, so it finds no box at all;
+      - an unclosed box before a closed one (`\\boxed{x \\boxed{y}`): UB's match starts at the
+        first `\\boxed{` (`x \\boxed{y`), ours is the closed one (`y`).
     """
     stack: list[int] = []  # content start of a boxed opener, or -1 for a plain "{"
     best_start, best = -1, None
@@ -69,10 +105,11 @@ def _last_boxed(text: str) -> Optional[str]:
 
 
 def extract_action(completion: str) -> tuple[str, bool]:
-    """(action sent to the env, format_ok).
+    """(action sent to the env, format_ok), as UnstableBaselines defines them.
 
     The last closed `\\boxed{X}` with non-empty X gives `[X]` (X as is when it already holds a
-    `[`), and format_ok=True. Otherwise the whole completion goes to the env, format_ok=False.
+    `[`), and format_ok=True. Otherwise (no box, or the last box is empty) the whole completion
+    goes to the env, format_ok=False.
     """
     content = _last_boxed(completion)
     if content is not None:
