@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-import pyarrow as pa
-
 import duckdb
+import pyarrow as pa
 
 from . import algorithms
 from . import lake as lk

@@ -169,11 +169,11 @@ class GroupRelativeAdvantage:
     def sql(self, src: str) -> str:
         if self.by == "prompt":
             return _normalize(src, "prompt", True)
-        g = "PARTITION BY group_id, pid"
-        return f"""SELECT * EXCLUDE (_w, _mu)
-    REPLACE ((reward - _mu) / (sqrt(sum(_w * (reward - _mu) * (reward - _mu)) OVER ({g}) / sum(_w) OVER ({g})) + 1e-8) AS reward)
-  FROM (SELECT *, sum(_w * reward) OVER ({g}) / sum(_w) OVER ({g}) AS _mu
-        FROM (SELECT *, 1.0 / count(*) OVER ({g}, round, game_id) AS _w FROM {src}))"""
+        g = "OVER (PARTITION BY group_id, pid)"
+        sd = f"sqrt(sum(_w * (reward - _mu) * (reward - _mu)) {g} / sum(_w) {g})"  # population, weighted
+        return f"""SELECT * EXCLUDE (_w, _mu) REPLACE ((reward - _mu) / ({sd} + 1e-8) AS reward)
+  FROM (SELECT *, sum(_w * reward) {g} / sum(_w) {g} AS _mu
+        FROM (SELECT *, 1.0 / count(*) OVER (PARTITION BY group_id, pid, round, game_id) AS _w FROM {src}))"""
 
 
 BUILTINS = {c.__name__: c for c in (RoleAdvantageFormatter, RoleAdvantageByEnvFormatter, RewardForFormat,
