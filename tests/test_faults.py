@@ -176,6 +176,28 @@ def test_lake_from_an_older_schema_still_reads(tmp_path):
         {"round": 0, "temperature": None}, {"round": 1, "temperature": None}, {"round": 2, "temperature": 0.7}]
 
 
+def test_lake_written_entirely_before_a_column_existed_still_opens(tmp_path):
+    """Every file of the lake predates `group_id` (games, turns) and the sampling settings
+    (rounds): the views still open (seats included) and the new columns read as null."""
+    import pyarrow.parquet as pq
+    seat = {"pid": 0, "model_uid": "base", "is_learner": True, "role": "P0", "reward": 1.0, "invalid_move": False,
+            "reason": ""}
+    for table, row in (("games", {"game_id": "g", "split": "train", "env_id": "E", "seed": 1, "num_players": 1,
+                                  "num_turns": 1, "seats": [seat]}),
+                       ("turns", {"game_id": "g", "turn": 0, "pid": 0, "prompt": "p", "completion": "c"}),
+                       ("rounds", {"checkpoint_uid": "base", "games": 1})):
+        d = tmp_path / table / "run=r/round=0"
+        d.mkdir(parents=True)
+        old = pa.schema([f for f in lk.SCHEMAS[table] if f.name in row])  # the columns of the time, typed
+        pq.write_table(pa.Table.from_pylist([row], schema=old),
+                       d / ("commit.parquet" if table == "rounds" else "task-0000.parquet"))
+    assert lk.query(tmp_path, "SELECT game_id, group_id, reward FROM seats").to_pylist() == [
+        {"game_id": "g", "group_id": None, "reward": 1.0}]
+    assert lk.query(tmp_path, "SELECT completion_token_ids, group_id FROM turns").to_pylist() == [
+        {"completion_token_ids": None, "group_id": None}]
+    assert lk.query(tmp_path, "SELECT temperature FROM rounds").to_pylist() == [{"temperature": None}]
+
+
 def _run(args, tmp_path, **kw):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen([sys.executable, "-m", "unstable_dask.run", *args], cwd=tmp_path, env=env,

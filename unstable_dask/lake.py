@@ -331,11 +331,14 @@ def create_views(con: duckdb.DuckDBPyConnection, lake: Union[str, Path, None]) -
     made = []
     for table in TABLES:
         sql = view_sql(lake, table) if lake is not None else None
-        if sql is None:
-            # Empty views of the known tables, so queries work on a fresh lake.
-            sql = _empty_relation(con, table)
+        empty = _empty_relation(con, table)  # every column of the table's schema, typed, no rows
+        if sql is None:  # a fresh lake: empty views, so queries work
+            sql = empty
             if sql is None:
                 continue
+        elif empty is not None:
+            # Files written before a column was added lack it: it reads as NULL, not a binder error.
+            sql = f"{sql} UNION ALL BY NAME {empty}"
         con.execute(f"CREATE OR REPLACE VIEW {table} AS {sql}")
         made.append(table)
     con.execute(SEATS_VIEW)
