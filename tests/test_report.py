@@ -99,3 +99,77 @@ def test_report_in_headless_chromium(site: Path) -> None:
             assert index.locator("a[href='syn/index.html']").count() == 1
         finally:
             browser.close()
+
+
+def _wilson(p: float, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / (1 + z * z / n)
+    return max(centre - half, 0.0), min(centre + half, 1.0)
+
+
+@pytest.mark.slow
+def test_learning_curves_show_the_lakes_numbers(tmp_path: Path, local_client) -> None:
+    """Real tiny-model rounds (WinningNumber vs the random agent: wins, draws and losses all occur),
+    a learner update between them; the curves in Chromium carry the numbers the lake holds."""
+    from unstable_dask import lake as lk
+    from unstable_dask.config import load_job
+    from unstable_dask.learn import learn
+    from unstable_dask.loop import round_summary
+    from unstable_dask.round import play_round
+    env = {"env_id": "WinningNumber-v0-train", "num_players": 2, "num_actors": 1, "opponents": ["random"]}
+    job = load_job("jobs/demo.toml", {
+        "run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"), "model.max_new_tokens": 8,
+        "round.train_games": 8, "round.eval_games": 24, "round.games_per_task": 16, "round.concurrency": 16,
+        "round.train_envs": [env], "round.eval_envs": [env], "round.opponents": {"strategy": "fixed", "fixed": ["random"]},
+        "learn.batch_size": 8, "learn.mini_batch_size": 8, "learn.gradient_checkpointing": False})
+    play_round(job, client=local_client)
+    learn(job)
+    play_round(job, client=local_client)
+    ratings.rate(job)
+    page = report.report(job)
+    # The expected numbers, straight from the lake's seats and turns (not the report's query).
+    seats = lk.query(job.run.lake, """SELECT s.round, s.game_id, s.reward, max(o.reward) AS other FROM seats s JOIN seats o
+        ON o.game_id = s.game_id AND o.pid <> s.pid WHERE s.split = 'eval' AND s.is_learner GROUP BY ALL""").to_pylist()
+    turns = lk.query(job.run.lake, "SELECT round, split, invalid_move FROM turns WHERE is_learner").to_pylist()
+    tips = {}
+    for r in (0, 1):
+        mine = [s for s in seats if s["round"] == r]
+        rate = sum(1.0 if s["reward"] > s["other"] else 0.5 if s["reward"] == s["other"] else 0.0 for s in mine) / len(mine)
+        lo, hi = _wilson(rate, len(mine))
+        tips[("vs random", r)] = f"{rate:.6g} (95% CI {lo:.6g} .. {hi:.6g})"
+        # `loop` prints the same figures after each round
+        assert f"eval vs random (24 games): win rate {rate:.2f} [{lo:.2f}, {hi:.2f}], invalid moves" in \
+            "\n".join(round_summary(job, r))
+        ev = [t["invalid_move"] for t in turns if t["round"] == r and t["split"] == "eval"]
+        inv = sum(ev) / len(ev)
+        lo, hi = _wilson(inv, len(ev))
+        tips[("eval", r)] = f"{inv:.6g} (95% CI {lo:.6g} .. {hi:.6g})"
+
+    exe = chromium_or_skip()
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=ARGS)
+        try:
+            pg = browser.new_page()
+            errors: list[str] = []
+            pg.on("console", lambda m: errors.append(m.text) if m.type in ("error", "warning") else None)
+            pg.goto(page.resolve().as_uri())
+            pg.wait_for_load_state("load")
+            captions = pg.locator("#curves figcaption").all_inner_texts()
+            assert len(captions) == 5, captions  # win rate, invalid moves, format, length, TrueSkill
+            win = pg.locator("#curves figure", has_text="Eval win rate")
+            assert win.locator("polyline").count() == 1 and win.locator("polygon").count() == 1  # the line and its CI band
+            shown = win.locator("circle title").all_text_contents()
+            assert shown == [f"vs random: {tips[('vs random', r)]} at {r}" for r in (0, 1)]
+            invalid = pg.locator("#curves figure", has_text="Invalid-move rate").locator("circle title").all_text_contents()
+            assert [f"eval: {tips[('eval', r)]} at {r}" for r in (0, 1)] == [t for t in invalid if t.startswith("eval")]
+            # The table has a row per round, split and opponent of the checkpoint that played it.
+            rows = pg.locator("#curves-table tbody tr").all_inner_texts()
+            assert any(r.startswith("1\tckpt-1\teval\trandom") for r in rows), rows
+            mu = pg.locator("#curves figure", has_text="TrueSkill").locator("circle title").all_text_contents()
+            assert len(mu) == 4  # mu and conservative, two rounds
+            # The learner charts are curves, not counters.
+            learner = pg.locator("#learner figcaption").all_inner_texts()
+            assert learner and not [c for c in learner if c.split()[0] in ("update", "batch_seed")]
+            assert errors == []
+        finally:
+            browser.close()

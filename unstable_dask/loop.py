@@ -24,6 +24,27 @@ def _rate_and_report(job: Job, console: Console) -> None:
     console.print(f"report: {report.report(job)}", highlight=False)
 
 
+def round_summary(job: Job, round_: int) -> list[str]:
+    """What round `round_` says about learning: per split and opponent of the checkpoint that
+    played it, win rate and invalid-move rate with their Wilson 95% intervals (the report's query)."""
+    con = lk.connect(job.run.lake)
+    try:
+        rows = report.round_curves(con, job.run.name, round_)
+    finally:
+        con.close()
+    lines = []
+    for r in rows:
+        if r["opponent"] == "*":  # the sum of the split's opponent rows
+            continue
+        win = ("" if r["opponent"] == "self" else  # mirror self-play: 0.5 by construction
+               f"win rate {r['win_rate']:.2f} [{r['win_rate_low']:.2f}, {r['win_rate_high']:.2f}], ")
+        invalid = ("" if r["invalid_rate"] is None else
+                   f"invalid moves {r['invalid_rate']:.2f} [{r['invalid_rate_low']:.2f}, {r['invalid_rate_high']:.2f}]"
+                   f" of {r['turns']} turns, format {r['format_success']:.2f}, {r['mean_completion_tokens']:.1f} tokens")
+        lines.append(f"  {r['split']} vs {r['opponent']} ({r['games']} games): {win}{invalid}".rstrip(", "))
+    return lines
+
+
 def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = True) -> list:
     """Play and train until run `job.run.name` has `rounds` rounds (0 .. rounds-1), each trained on.
 
@@ -50,4 +71,6 @@ def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = 
                 return results
             summary = play_round(job, client=client, console=console)
             console.print(f"round {summary.round}: {summary.games} games, {summary.turns} turns "
-                          f"({summary.checkpoint_uid}, {summary.tokens_per_s:.0f} tok/s)")
+                          f"({summary.checkpoint_uid}, {summary.tokens_per_s:.0f} tok/s)", highlight=False)
+            for line in round_summary(job, summary.round):
+                console.print(line, highlight=False)

@@ -31,6 +31,64 @@ SAMPLES_PER_MODEL = 2  # transcript games per checkpoint
 MAX_TURN_CHARS = 4000  # long prompts/observations are cut (the lake keeps them whole)
 
 
+# The learning curves, one query over every run (`run report --show-sql` prints it, `run sql` runs
+# it). One row per round, split and opponent of the checkpoint that played the round (its learner
+# seats), plus opponent '*' for all its games of that split. opponent: the other seats' model_uids
+# joined by '+' ('self' when the checkpoint held every seat, 'solo' in a single-player game).
+# Win rate counts draws half; invalid-move rate is over the learner's turns. Both carry a Wilson
+# 95% score interval (z = 1.96; with draws half the successes may be fractional, which the formula
+# takes as is). Turns of one game are not independent, so the turn-level interval is narrower
+# than the truth. mu/sigma: the checkpoint's overall TrueSkill after the round (`run rate`).
+CURVES_SQL = """
+WITH games_ AS (
+    SELECT run, round, game_id, avg(num_turns) AS num_turns, max(reward) AS best, min(reward) AS worst,
+           CASE WHEN count(*) = 1 THEN 'solo' ELSE coalesce(string_agg(DISTINCT model_uid, '+' ORDER BY model_uid)
+               FILTER (WHERE NOT is_learner), 'self') END AS opponent
+    FROM seats GROUP BY run, round, game_id),
+seats_ AS (  -- a single-player game is won with a reward > 0 (as `run rate` counts it)
+    SELECT s.run, s.round, s.split, g.opponent, s.game_id, g.num_turns, s.reward,
+           CASE WHEN s.num_players = 1 THEN s.reward > 0 ELSE s.reward = g.best AND g.best > g.worst END::INT AS win,
+           CASE WHEN s.num_players = 1 THEN s.reward = 0 ELSE g.best = g.worst END::INT AS draw
+    FROM seats s JOIN games_ g USING (run, round, game_id) WHERE s.is_learner),
+turns_ AS (
+    SELECT t.run, t.round, t.split, g.opponent, t.format_ok, t.invalid_move, t.completion_tokens
+    FROM turns t JOIN games_ g USING (run, round, game_id) WHERE t.is_learner AND t.prompt IS NOT NULL),
+by_seat AS (
+    SELECT run, round, split, CASE WHEN grouping(opponent) = 1 THEN '*' ELSE opponent END AS opponent,
+           count(DISTINCT game_id) AS games, count(*) AS seats, sum(win) AS wins, sum(draw) AS draws,
+           count(*) - sum(win) - sum(draw) AS losses, (sum(win) + 0.5 * sum(draw)) / count(*) AS win_rate,
+           avg(reward) AS mean_reward, avg(num_turns) AS game_length
+    FROM seats_ GROUP BY GROUPING SETS ((run, round, split, opponent), (run, round, split))),
+by_turn AS (
+    SELECT run, round, split, CASE WHEN grouping(opponent) = 1 THEN '*' ELSE opponent END AS opponent,
+           count(*) AS turns, avg(format_ok::DOUBLE) AS format_success, sum(invalid_move::INT) AS invalid_turns,
+           sum(invalid_move::INT) / count(*) AS invalid_rate, avg(completion_tokens) AS mean_completion_tokens
+    FROM turns_ GROUP BY GROUPING SETS ((run, round, split, opponent), (run, round, split))),
+joined AS (
+    SELECT s.*, r.checkpoint_uid, t.* EXCLUDE (run, round, split, opponent), 1.959963984540054 AS z
+    FROM rounds r JOIN by_seat s USING (run, round) LEFT JOIN by_turn t USING (run, round, split, opponent)),
+wilson AS (  -- centre and half-width of the Wilson interval of win_rate (n = seats) and invalid_rate (n = turns)
+    SELECT *, (win_rate + z * z / (2 * seats)) / (1 + z * z / seats) AS wc,
+           z * sqrt(win_rate * (1 - win_rate) / seats + z * z / (4 * seats * seats)) / (1 + z * z / seats) AS wh,
+           (invalid_rate + z * z / (2 * turns)) / (1 + z * z / turns) AS ic,
+           z * sqrt(invalid_rate * (1 - invalid_rate) / turns + z * z / (4 * turns * turns)) / (1 + z * z / turns) AS ih
+    FROM joined)
+SELECT w.run, w.round, w.checkpoint_uid, w.split, w.opponent, w.games, w.wins, w.draws, w.losses,
+       w.win_rate, greatest(w.wc - w.wh, 0) AS win_rate_low, least(w.wc + w.wh, 1) AS win_rate_high,
+       w.turns, w.format_success, w.invalid_rate,
+       greatest(w.ic - w.ih, 0) AS invalid_rate_low, least(w.ic + w.ih, 1) AS invalid_rate_high,
+       w.mean_completion_tokens, w.mean_reward, w.game_length, h.mu, h.sigma, h.conservative
+FROM wilson w
+LEFT JOIN rating_history h ON h.run = w.run AND h.round = w.round AND h.model_uid = w.checkpoint_uid AND h.env_id = '*'
+"""
+
+
+def round_curves(con, run: str, round_: Optional[int] = None) -> list[dict]:
+    """CURVES_SQL rows of one run (of one round when given), eval rows first within a round."""
+    where, params = ("run = ? AND round = ?", [run, round_]) if round_ is not None else ("run = ?", [run])
+    return _rows(con, f"SELECT * FROM ({CURVES_SQL}) WHERE {where} ORDER BY round, split DESC, opponent", params)
+
+
 def _rows(con, sql: str, params: list) -> list[dict]:
     return con.sql(sql, params=params).to_arrow_table().to_pylist()
 
@@ -39,25 +97,32 @@ def _nice(v: float) -> str:
     return f"{v:.6g}" if abs(v) < 1e6 else f"{v:.3e}"
 
 
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+def _ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[float]:
     if hi <= lo:
         return [lo]
     step = 10 ** math.floor(math.log10((hi - lo) / n))
     step *= next(m for m in (1, 2, 5, 10) if (hi - lo) / (step * m) <= n)
+    if integer:  # rounds and iterations: no tick at 0.5
+        step = max(step, 1)
     return [k * step for k in range(math.ceil(lo / step), math.floor(hi / step) + 1)]
 
 
 def line_chart(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str,
                bands: Optional[dict[str, list[tuple[float, float, float]]]] = None,
-               width: int = 640, height: int = 260) -> Optional[dict]:
-    """A line chart as coordinates for the `line_chart` template macro (None without data)."""
+               width: int = 640, height: int = 260, y_range: Optional[tuple[float, float]] = None) -> Optional[dict]:
+    """A line chart as coordinates for the `line_chart` template macro (None without data).
+
+    bands: a shaded (x, low, high) interval per series, shown in each point's tooltip too;
+    y_range: fixed y limits (rates use 0..1, so a flat curve looks flat).
+    """
     names = [k for k, pts in series.items() if pts][:MAX_SERIES]
     pts_all = [p for k in names for p in series[k]] + [(x, y) for k in names for x, lo, hi in (bands or {}).get(k, [])
                                                        for y in (lo, hi)]
     if not pts_all:
         return None
     x0, x1 = min(p[0] for p in pts_all), max(p[0] for p in pts_all)
-    y0, y1 = min(p[1] for p in pts_all), max(p[1] for p in pts_all)
+    integer_x = all(float(p[0]).is_integer() for p in pts_all)
+    y0, y1 = y_range or (min(p[1] for p in pts_all), max(p[1] for p in pts_all))
     if x1 == x0:
         x0, x1 = x0 - 1, x1 + 1
     if y1 == y0:
@@ -78,12 +143,14 @@ def line_chart(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel
         band = sorted((bands or {}).get(name, []))
         poly = " ".join(f"{sx(x)},{sy(hi)}" for x, _, hi in band) + " " + \
             " ".join(f"{sx(x)},{sy(lo)}" for x, lo, _ in reversed(band))
+        ci = {x: f" (95% CI {_nice(lo)} .. {_nice(hi)})" for x, lo, hi in band}
         lines.append({"name": name, "color": PALETTE[k % len(PALETTE)], "path": " ".join(f"{sx(x)},{sy(y)}" for x, y in pts),
-                      "dots": [(sx(x), sy(y), _nice(x), _nice(y)) for x, y in pts], "band": poly.strip(),
+                      "dots": [(sx(x), sy(y), _nice(x), _nice(y) + ci.get(x, "")) for x, y in pts], "band": poly.strip(),
                       "legend_y": T + 14 * k + 8})
     return {"width": width, "height": height, "lines": lines, "xlabel": xlabel, "ylabel": ylabel,
             "left": L, "right": width - R, "top": T, "bottom": height - B,
-            "xticks": [(sx(t), _nice(t)) for t in _ticks(x0, x1)], "yticks": [(sy(t), _nice(t)) for t in _ticks(y0, y1)],
+            "xticks": [(sx(t), _nice(t)) for t in _ticks(x0, x1, integer=integer_x)],
+            "yticks": [(sy(t), _nice(t)) for t in _ticks(y0, y1)],
             "omitted": [k for k, pts in series.items() if pts][MAX_SERIES:]}
 
 
@@ -131,16 +198,7 @@ def gather(lake_dir: Path, run: str) -> dict[str, Any]:
         h2h = _rows(con, "SELECT * EXCLUDE (run) FROM head_to_head WHERE run = ? AND env_id = '*' "
                     "ORDER BY model_a, model_b", [run])
         ckpts = _rows(con, "SELECT uid, parent_uid, iteration FROM checkpoints WHERE run = ? ORDER BY iteration, uid", [run])
-        rounds = _rows(con, """
-            WITH g AS (SELECT round, split, count(*) AS games, avg(num_turns) AS game_length
-                       FROM games WHERE run = ? GROUP BY ALL),
-                 s AS (SELECT round, split, avg((reward > 0)::DOUBLE) AS learner_win_rate, avg(reward) AS learner_reward
-                       FROM seats WHERE run = ? AND is_learner GROUP BY ALL),
-                 t AS (SELECT round, split, count(*) AS model_turns, avg(format_ok::DOUBLE) AS format_success,
-                              avg(invalid_move::DOUBLE) AS invalid_move_rate, avg(completion_tokens) AS completion_tokens
-                       FROM turns WHERE run = ? AND prompt IS NOT NULL GROUP BY ALL)
-            SELECT * FROM g LEFT JOIN s USING (round, split) LEFT JOIN t USING (round, split) ORDER BY round, split""",
-                       [run, run, run])
+        curves = round_curves(con, run)
         per_env = _rows(con, """
             SELECT g.env_id, g.split, count(DISTINCT g.game_id) AS games, avg(g.num_turns) AS game_length,
                    avg((s.reward > 0)::DOUBLE) AS learner_win_rate
@@ -164,18 +222,56 @@ def gather(lake_dir: Path, run: str) -> dict[str, Any]:
     ckpt_chart = line_chart({"mu": [(i, r["mu"]) for i, r in ck_pts], "conservative": [(i, r["conservative"]) for i, r in ck_pts]},
                             "checkpoint iteration", "rating", bands={"mu": [(i, r["mu"] - 3 * r["sigma"], r["mu"] + 3 * r["sigma"])
                                                                             for i, r in ck_pts]})
-    stat_keys = ["format_success", "invalid_move_rate", "game_length", "completion_tokens", "learner_win_rate"]
-    round_charts = {k: line_chart({sp: [(r["round"], r[k]) for r in rounds if r["split"] == sp and r[k] is not None]
-                                   for sp in ("train", "eval")}, "round", k) for k in stat_keys}
     return {"run": run, "envs": envs, "boards": boards, "hist_chart": hist_chart, "ckpt_chart": ckpt_chart,
-            "heatmap": heatmap(h2h), "rounds": rounds, "round_charts": round_charts, "per_env": per_env,
+            "heatmap": heatmap(h2h), "curves": curves, "curve_charts": curve_charts(curves), "per_env": per_env,
             "learner": learner, "samples": samples, "checkpoints": ckpts}
+
+
+def curve_charts(curves: list[dict]) -> dict[str, Optional[dict]]:
+    """The learning curves (rows of CURVES_SQL for one run), titled; x is the round."""
+    def pts(rows: list[dict], key: str) -> list[tuple[float, float]]:
+        return [(r["round"], r[key]) for r in rows if r[key] is not None]
+
+    def ci(rows: list[dict], key: str) -> list[tuple[float, float, float]]:
+        return [(r["round"], r[f"{key}_low"], r[f"{key}_high"]) for r in rows if r[f"{key}_low"] is not None]
+
+    every = {sp: [r for r in curves if r["split"] == sp and r["opponent"] == "*"] for sp in ("train", "eval")}
+    # Win rate is shown against each fixed opponent of the eval games (mirror games: 0.5 by construction).
+    opponents = list(dict.fromkeys(r["opponent"] for r in curves if r["split"] == "eval" and r["opponent"] not in ("*", "self")))
+    vs = {o: [r for r in curves if r["split"] == "eval" and r["opponent"] == o] for o in opponents}
+
+    def name(opponent: str) -> str:
+        return "single-player" if opponent == "solo" else f"vs {opponent}"
+
+    rated = [r for r in every["eval"] or every["train"] if r["mu"] is not None]
+    def chart(series: dict, ylabel: str, **kw) -> Optional[dict]:  # two charts side by side on a page
+        return line_chart(series, "round", ylabel, width=560, height=240, **kw)
+
+    return {
+        "Eval win rate against each fixed opponent (draws half), Wilson 95% CI":
+            chart({name(o): pts(rows, "win_rate") for o, rows in vs.items()}, "win rate",
+                  bands={name(o): ci(rows, "win_rate") for o, rows in vs.items()}, y_range=(0, 1)),
+        "Invalid-move rate of the learner's turns, Wilson 95% CI":
+            chart({sp: pts(rows, "invalid_rate") for sp, rows in every.items()}, "invalid-move rate",
+                  bands={sp: ci(rows, "invalid_rate") for sp, rows in every.items()}, y_range=(0, 1)),
+        "Format success (a \\boxed{} answer) of the learner's turns":
+            chart({sp: pts(rows, "format_success") for sp, rows in every.items()}, "format success", y_range=(0, 1)),
+        "Mean completion length of the learner's turns (tokens)":
+            chart({sp: pts(rows, "mean_completion_tokens") for sp, rows in every.items()}, "tokens"),
+        "TrueSkill of the checkpoint that played the round (mu ± 3 sigma; conservative = mu − 3 sigma)":
+            chart({"mu": [(r["round"], r["mu"]) for r in rated], "conservative": [(r["round"], r["conservative"]) for r in rated]},
+                  "TrueSkill", bands={"mu": [(r["round"], r["mu"] - 3 * r["sigma"], r["mu"] + 3 * r["sigma"]) for r in rated]}),
+    }
+
+
+# learner_steps columns that number or seed an update: counters and hashes, not curves.
+NOT_CURVES = {"iteration", "run", "step", "update", "batch_seed"}
 
 
 def _learner(con, run: str) -> dict[str, dict]:
     """One chart per numeric learner_steps column, averaged per iteration."""
     schema = con.sql("SELECT * FROM learner_steps LIMIT 0").to_arrow_table().schema
-    cols = [f.name for f in schema if f.name not in ("iteration", "run", "step")
+    cols = [f.name for f in schema if f.name not in NOT_CURVES
             and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))]
     if not cols:
         return {}
@@ -223,6 +319,14 @@ def _env() -> jinja2.Environment:
     digest = hashlib.sha256(str(static["report.js"]).encode("utf-8")).digest()
     env.globals["script_hash"] = "sha256-" + base64.b64encode(digest).decode("ascii")
     return env
+
+
+def svg_document(chart: dict, title: str) -> str:
+    """A `line_chart` as a standalone SVG file (for README / BENCHMARKS), styled like the report."""
+    css = "\n".join(line for line in (HERE / "static" / "report.css").read_text(encoding="utf-8").splitlines()
+                    if line.startswith("svg "))
+    macros = _env().get_template("macros.j2").module
+    return str(macros.line_svg(chart, title, "svg { font-family: system-ui, sans-serif; }\n" + css)).strip() + "\n"
 
 
 def _write(path: Path, text: str) -> None:

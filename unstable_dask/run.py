@@ -24,7 +24,7 @@ console = Console()
 err = Console(stderr=True)
 
 
-def _parse_set(items: list[str]) -> dict[str, Any]:
+def parse_set(items: list[str]) -> dict[str, Any]:
     """--set round.train_games=4 --set model.base='"builtin:tiny"' (values are TOML)."""
     out = {}
     for item in items:
@@ -39,7 +39,7 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 
 
 def _job(args) -> Job:
-    return load_job(args.job, _parse_set(args.set or []))
+    return load_job(args.job, parse_set(args.set or []))
 
 
 def _print_table(rows: list[dict], title: Optional[str] = None) -> None:
@@ -62,7 +62,7 @@ def _fmt(v: Any) -> str:
 
 def cmd_round(args, eval_only: bool = False) -> None:
     overrides = {"round.train_games": 0} if eval_only else {}
-    job = load_job(args.job, _parse_set(args.set or []) | overrides)
+    job = load_job(args.job, parse_set(args.set or []) | overrides)
     from .round import play_round, round_stats
     s = play_round(job, console=err)
     console.print(f"round {s.round} of run [bold]{s.run}[/bold] played checkpoint [bold]{s.checkpoint_uid}[/bold]: "
@@ -71,6 +71,18 @@ def cmd_round(args, eval_only: bool = False) -> None:
     _print_table(round_stats(job.run.lake, s.run, s.round), title="per model (seats)")
     console.print(f"lake: {os.path.abspath(job.run.lake)}  (try: python -m unstable_dask.run sql "
                   f"\"SELECT split, count(*) FROM games GROUP BY split\" --lake {job.run.lake})")
+    if job.model.base == "builtin:tiny":
+        console.print(TINY_NOTE, highlight=False)
+
+
+# What `make demo` must not let a user believe: the numbers above come from an untrained model.
+TINY_NOTE = """note: builtin:tiny has random weights (no pretraining), so it writes noise: expect ~0% format \
+success and almost every move invalid. It checks the plumbing (cluster, engine, lake), not learning.
+To watch a real pretrained model learn a real game on this machine (SmolLM2-135M-Instruct, TicTacToe
+against the random agent, eval win rate and invalid-move rate with 95% CIs every round, ~60 min on 2 cores):
+  python bench/bench_learning.py                                   # or:
+  python -m unstable_dask.run loop --job jobs/smollm2-learn.toml --rounds 12
+then open reports/smollm2-learn/index.html (README: "A real model learns on a laptop")."""
 
 
 def cmd_sql(args) -> None:
@@ -115,8 +127,11 @@ def cmd_rate(args) -> None:
 
 
 def cmd_report(args) -> None:
+    from .report import CURVES_SQL, report
+    if args.show_sql:  # the learning curves' query, to run with `run sql` (add WHERE run = '...')
+        print(CURVES_SQL.strip())
+        return
     job = _job(args)
-    from .report import report
     path = report(job)
     console.print(f"report: {path}")
 
@@ -156,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--preview", action="store_true", help="show the sampled batch without training")
     sp = add("rate", "recompute TrueSkill and Bradley-Terry ratings from every committed game")
     sp.add_argument("--full", action="store_true", help="ignore the saved replay state (same result, slower)")
-    add("report", "write the HTML report to reports/<run>/index.html")
+    sp = add("report", "write the HTML report to reports/<run>/index.html")
+    sp.add_argument("--show-sql", action="store_true", help="print the SQL of the per-round learning curves and exit")
     sp = add("loop", "round -> learn -> rate -> report, N times; resumes where it stopped")
     sp.add_argument("--rounds", type=int, default=3)
     sp = add("cluster", "start the job's cluster and print its address (or --dry-run the batch script)")
