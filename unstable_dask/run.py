@@ -79,7 +79,7 @@ def cmd_round(args, eval_only: bool = False) -> None:
 TINY_NOTE = """note: builtin:tiny has random weights (no pretraining), so it writes noise: expect ~0% format \
 success and almost every move invalid. It checks the plumbing (cluster, engine, lake), not learning.
 To watch a real pretrained model learn a real game on this machine (SmolLM2-135M-Instruct, TicTacToe
-against the random agent, eval win rate and invalid-move rate with 95% CIs every round, ~60 min on 2 cores):
+against the random agent, eval win rate and invalid-move rate with 95% CIs every round, a few minutes a round on 2 idle cores):
   python bench/bench_learning.py                                   # or:
   python -m unstable_dask.run loop --job jobs/smollm2-learn.toml --rounds 12
 then open reports/smollm2-learn/index.html (README: "A real model learns on a laptop")."""
