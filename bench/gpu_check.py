@@ -130,7 +130,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=64, help="learner batch (turns)")
     ap.add_argument("--out", default="gpu_check", help="bench/results/<out>.json")
+    ap.add_argument("--stages", default="round,loop", help="comma list of round, loop (the learner figures "
+                    "come from the loop); a short device lease can re-measure one stage")
     args = ap.parse_args()
+    stages = set(args.stages.split(","))
+    if not stages or stages - {"round", "loop"}:
+        ap.error(f"--stages: expected a comma list of round, loop; got {args.stages!r}")
 
     import torch
     if not torch.cuda.is_available():
@@ -138,11 +143,7 @@ def main() -> None:
               "the CPU path is covered by `make test`", file=sys.stderr)
         sys.exit(2)
 
-    from unstable_dask import lake as lk
-    from unstable_dask.cluster import open_client
     from unstable_dask.config import load_job
-    from unstable_dask.loop import loop
-    from unstable_dask.round import play_round
 
     info = _gpu_info()
     backend = args.backend
@@ -172,45 +173,62 @@ def main() -> None:
                     "games_per_round": args.games, "max_new_tokens": args.max_new_tokens}
     print(f"gpu_check: {info['nvidia_smi']} | model {job.model.base} | backend {backend}", flush=True)
     try:
-        with open_client(job.cluster) as client:
-            # 1. a round (after a warm-up round on its own lake: engine load and first kernels out of the figure)
-            warm = load_job(args.job, over | {"run.lake": f"{tmp}/warm", "round.train_games": 4, "round.eval_games": 0})
-            t = time.perf_counter()
-            play_round(warm, client=client)
-            result["engine_load_and_warmup_s"] = time.perf_counter() - t
-            s = play_round(job, client=client)
-            prompts = [r["prompt"] for r in lk.query(job.run.lake, "SELECT prompt FROM turns WHERE prompt IS NOT NULL "
-                                                     "ORDER BY game_id, turn").to_pylist()]
-            raw = client.submit(_raw_generate, job.model, prompts, args.games + n_eval, resources={"GPU": 1}, pure=False).result()
-            result["round"] = {"games": s.games, "turns": s.turns, "completion_tokens": s.completion_tokens,
-                               "wall_s": s.wall_s, "tok_s": s.tokens_per_s, "raw_generate": raw,
-                               "round_vs_raw_generate": s.tokens_per_s / raw["tok_s"]}
-            print(f"round: {s.tokens_per_s:.0f} tok/s vs raw generate {raw['tok_s']:.0f} tok/s", flush=True)
-        # 2. the single-GPU loop: learn on the engine's worker with the engine asleep (its own cluster,
-        #    so the loop opens and closes it as a user's `loop` would)
-        ljob = load_job(args.job, over | {"run.lake": f"{tmp}/loop", "run.name": "gpu-loop"})
-        t = time.perf_counter()
-        loop(ljob, rounds=2, rate=False)
-        result["loop_2_rounds_wall_s"] = time.perf_counter() - t
-        steps = lk.query(ljob.run.lake, "SELECT * EXCLUDE (rounds, created_at) FROM learner_steps ORDER BY iteration, update").to_pylist()
-        result["learner_steps"] = steps
-        rounds = lk.query(ljob.run.lake, "SELECT round, completion_tokens, "
-                          "epoch(committed_at - started_at) AS wall_s FROM rounds ORDER BY round").to_pylist()
-        result["loop_rounds"] = rounds
+        if "round" in stages:
+            result["round"] = _round_stage(job, load_job(args.job, over | {"run.lake": f"{tmp}/warm", "round.train_games": 4,
+                                                                             "round.eval_games": 0}), result)
+            save(args.out, result)  # a lease that ends during the loop still leaves the round's figures
+        if "loop" in stages:
+            result.update(_loop_stage(load_job(args.job, over | {"run.lake": f"{tmp}/loop", "run.name": "gpu-loop"})))
         result["ok"] = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     path = save(args.out, result)
     print(row("figure", "value"))
     print(row("---", "---"))
-    print(row("round tok/s", f"{result['round']['tok_s']:.0f}"))
-    print(row("raw generate tok/s (same prompts, same weights)", f"{result['round']['raw_generate']['tok_s']:.0f}"))
-    print(row("round / raw generate", f"{result['round']['round_vs_raw_generate']:.2f}"))
-    for st in steps:
+    if "round" in result:
+        print(row("round tok/s", f"{result['round']['tok_s']:.0f}"))
+        print(row("raw generate tok/s (same prompts, same weights)", f"{result['round']['raw_generate']['tok_s']:.0f}"))
+        print(row("round / raw generate", f"{result['round']['round_vs_raw_generate']:.2f}"))
+    for st in result.get("learner_steps", []):
         print(row(f"learner it {st['iteration']} update {st['update']}",
                   f"peak {st['cuda_mem_peak'] / 2**20:.0f} MiB, reserved {st['cuda_mem_reserved'] / 2**20:.0f} MiB, "
                   f"{st['tokens_per_s']:.0f} tok/s"))
     print(f"results: {path}")
+
+
+def _round_stage(job, warm, result: dict) -> dict:
+    """1. a round (after a warm-up round on its own lake: engine load and first kernels out of the
+    figure) vs the backend's own generate on the round's prompts, in the same worker."""
+    from unstable_dask import lake as lk
+    from unstable_dask.cluster import open_client
+    from unstable_dask.round import play_round
+    n_games = job.round.train_games + job.round.eval_games
+    with open_client(job.cluster) as client:
+        t = time.perf_counter()
+        play_round(warm, client=client)
+        result["engine_load_and_warmup_s"] = time.perf_counter() - t
+        s = play_round(job, client=client)
+        prompts = [r["prompt"] for r in lk.query(job.run.lake, "SELECT prompt FROM turns WHERE prompt IS NOT NULL "
+                                                 "ORDER BY game_id, turn").to_pylist()]
+        raw = client.submit(_raw_generate, job.model, prompts, n_games, resources={"GPU": 1}, pure=False).result()
+    print(f"round: {s.tokens_per_s:.0f} tok/s vs raw generate {raw['tok_s']:.0f} tok/s", flush=True)
+    return {"games": s.games, "turns": s.turns, "completion_tokens": s.completion_tokens, "wall_s": s.wall_s,
+            "tok_s": s.tokens_per_s, "raw_generate": raw, "round_vs_raw_generate": s.tokens_per_s / raw["tok_s"]}
+
+
+def _loop_stage(ljob) -> dict:
+    """2.+3. the single-GPU loop: learn on the engine's worker with the engine asleep (its own
+    cluster, so the loop opens and closes it as a user's `loop` would), and its learner_steps."""
+    from unstable_dask import lake as lk
+    from unstable_dask.loop import loop
+    t = time.perf_counter()
+    loop(ljob, rounds=2, rate=False)
+    out = {"loop_2_rounds_wall_s": time.perf_counter() - t}
+    out["learner_steps"] = lk.query(ljob.run.lake, "SELECT * EXCLUDE (rounds, created_at) FROM learner_steps "
+                                    "ORDER BY iteration, update").to_pylist()
+    out["loop_rounds"] = lk.query(ljob.run.lake, "SELECT round, completion_tokens, "
+                                  "epoch(committed_at - started_at) AS wall_s FROM rounds ORDER BY round").to_pylist()
+    return out
 
 
 if __name__ == "__main__":
