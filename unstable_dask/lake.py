@@ -1,23 +1,28 @@
-"""The lake: hive-partitioned Parquet files plus DuckDB views over the committed ones.
+"""The lake: Delta tables of worker-written Parquet files, DuckDB views over committed snapshots.
 
-Layout (documented column by column in lake/README.md):
+Layout (documented column by column in lake/README.md, generated from catalog.py):
 
+    <lake>/<table>/_delta_log/                           the commit log of each Delta table
     <lake>/<table>/run=<run>/round=<n>/<key>.parquet     games, turns, rounds (commit markers)
     <lake>/<table>/run=<run>/iteration=<k>/<key>.parquet checkpoints, learner_steps
-    <lake>/<table>/run=<run>/<key>.parquet               ratings, rating_history, head_to_head
+    <lake>/<table>/run=<run>/<table>.parquet             ratings, rating_history, head_to_head
     <lake>/adapters/<run>/<uid>/                         LoRA adapters (peft format)
-    <lake>/lake.duckdb                                   views for the duckdb shell (a snapshot)
+    <lake>/lake.duckdb                                   views for the duckdb shell (rewritten per commit)
 
-Every write goes to a `.tmp` name in the same folder and is renamed into place, so a reader sees
-a whole file or none, and a retried task replaces its file instead of adding a second copy.
-Games and turns become visible only once the round's commit marker exists; learner_steps only
-once their checkpoint row exists.
+A commit of a partition (a round, a learner iteration) takes three Delta commits, each keyed by
+the application id `<run>/<partition>=<n>`:
+  1. claim: the marker table (rounds / checkpoints) records the app id, with the path of the
+     marker file (the row, naming every data file) in the commit's metadata. A second claim of
+     the same app id is refused or conflicts: a partition is committed once.
+  2. apply: each data table adds the named files, once (the same app id in its own log).
+  3. publish: the marker table adds the marker file. Readers see a partition only from here on.
+A driver killed between 1 and 3 leaves a claim that `finish_commits` completes from the log.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import re
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,116 +32,35 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-SEAT = pa.struct([
-    ("pid", pa.int32()),
-    ("model_uid", pa.string()),  # checkpoint uid, "base", "random", or a fixed opponent's name
-    ("is_learner", pa.bool_()),  # seat played by the checkpoint this round trains/evaluates
-    ("role", pa.string()),
-    ("reward", pa.float64()),  # final reward from the env
-    ("invalid_move", pa.bool_()),  # the game ended because this seat made an invalid move
-    ("reason", pa.string()),
-])
+from . import delta as dl
+from .catalog import DELTA_TABLES, HIVE_TYPES, PARTITION, SCHEMAS, SEAT, TABLES, VIEWS, data_tables, with_partitions
 
-SCHEMAS: dict[str, pa.Schema] = {
-    "games": pa.schema([
-        ("game_id", pa.string()),
-        ("split", pa.string()),  # train | eval
-        ("env_id", pa.string()),
-        ("seed", pa.int64()),  # the env seed (reset(seed=...)); shared by the games of a group
-        ("group_id", pa.string()),  # games of one start state: same env, seed, seats (round.group_size)
-        ("num_players", pa.int32()),
-        ("num_turns", pa.int32()),
-        ("started_at", pa.timestamp("us", tz="UTC")),
-        ("finished_at", pa.timestamp("us", tz="UTC")),
-        ("worker", pa.string()),
-        ("task", pa.string()),
-        ("seats", pa.list_(SEAT)),
-    ]),
-    "turns": pa.schema([
-        ("game_id", pa.string()),
-        ("turn", pa.int32()),  # 0-based index over all moves of the game
-        ("pid", pa.int32()),
-        ("model_uid", pa.string()),
-        ("is_learner", pa.bool_()),
-        ("split", pa.string()),
-        ("env_id", pa.string()),
-        ("seed", pa.int64()),  # the game's env seed
-        ("group_id", pa.string()),  # the game's group (GRPO compares the (group_id, pid) attempts)
-        ("observation", pa.string()),
-        ("prompt", pa.string()),  # exact text fed to the model (null for the random agent)
-        ("completion", pa.string()),  # raw model output
-        ("action", pa.string()),  # what was sent to the env
-        ("format_ok", pa.bool_()),  # a non-empty \boxed{} answer was found
-        ("invalid_move", pa.bool_()),
-        ("step_info", pa.string()),  # JSON
-        ("prompt_tokens", pa.int32()),
-        ("completion_tokens", pa.int32()),
-        # the exact ids the engine generated (EOS included when generated); null for the random agent
-        ("completion_token_ids", pa.list_(pa.int32())),
-        ("truncated", pa.bool_()),  # generation stopped at max_new_tokens
-        # behaviour log-prob of each completion token: sampling.sampling_logprobs(logits, T, top_p)
-        ("logprobs", pa.list_(pa.float32())),
-        ("latency_s", pa.float64()),  # wall time of the batched generate call this turn was in
-    ]),
-    "rounds": pa.schema([
-        ("attempt", pa.string()),  # the driver attempt whose files are the round's data
-        ("checkpoint_uid", pa.string()),  # the checkpoint this round played
-        ("games", pa.int64()),
-        ("turns", pa.int64()),
-        ("tasks", pa.int64()),
-        ("completion_tokens", pa.int64()),
-        ("temperature", pa.float64()),  # the sampling settings the round's games were played with
-        ("top_p", pa.float64()),
-        ("max_new_tokens", pa.int64()),
-        ("job_fingerprint", pa.string()),
-        ("job", pa.string()),  # the validated job as JSON
-        ("started_at", pa.timestamp("us", tz="UTC")),
-        ("committed_at", pa.timestamp("us", tz="UTC")),
-    ]),
-    "checkpoints": pa.schema([
-        ("attempt", pa.string()),  # the learner attempt whose adapter and learner_steps are this checkpoint's
-        ("uid", pa.string()),
-        ("parent_uid", pa.string()),
-        ("adapter_path", pa.string()),  # relative to the lake root; null for the base model
-        ("base_model", pa.string()),
-        ("rounds_trained", pa.list_(pa.int64())),
-        ("algorithm", pa.string()),
-        ("created_at", pa.timestamp("us", tz="UTC")),
-    ]),
-}
-
-# How each table is partitioned below run=<run>/.
-PARTITION = {"games": "round", "turns": "round", "rounds": "round",
-             "checkpoints": "iteration", "learner_steps": "iteration"}
-HIVE_TYPES = {"run": "VARCHAR", "round": "BIGINT", "iteration": "BIGINT"}
-
+__all__ = ["SCHEMAS", "PARTITION", "SEAT", "TABLES"]
 _PARQUET_MAGIC = b"PAR1"
 log = logging.getLogger("unstable_dask.lake")
+Lake = Union[str, Path]
 
 
 def now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def table_dir(lake: Union[str, Path], table: str, run: str, part: Optional[int] = None) -> Path:
+def table_dir(lake: Lake, table: str, run: str, part: Optional[int] = None) -> Path:
     d = Path(lake) / table / f"run={run}"
     if part is not None:
         d = d / f"{PARTITION[table]}={part}"
     return d
 
 
-def write_table(lake: Union[str, Path], table: str, run: str, part: Optional[int], key: str,
-                data: Union[pa.Table, list[dict]], exclusive: bool = False) -> Path:
-    """Atomically write one Parquet file to its deterministic name and return the path.
-
-    `exclusive=True` refuses to replace an existing file (used for commit markers, so two drivers
-    cannot both commit the same round); it raises FileExistsError.
-    """
+def _as_table(table: str, data: Union[pa.Table, list[dict]]) -> pa.Table:
+    schema = SCHEMAS.get(table)
     if isinstance(data, list):
-        schema = SCHEMAS.get(table)
-        data = pa.Table.from_pylist(data, schema=schema) if schema is not None else pa.Table.from_pylist(data)
-    elif table in SCHEMAS:
-        data = data.select(SCHEMAS[table].names).cast(SCHEMAS[table])
+        return pa.Table.from_pylist(data, schema=schema) if schema is not None else pa.Table.from_pylist(data)
+    return data.select(schema.names).cast(schema) if schema is not None else data
+
+
+def _write_file(lake: Lake, table: str, run: str, part: Optional[int], key: str, data: pa.Table) -> Path:
+    """Write one Parquet file to a temp name, check its footer, rename it into place."""
     d = table_dir(lake, table, run, part)
     d.mkdir(parents=True, exist_ok=True)
     final = d / f"{key}.parquet"
@@ -144,13 +68,29 @@ def write_table(lake: Union[str, Path], table: str, run: str, part: Optional[int
     try:
         pq.write_table(data, tmp, compression="zstd")
         pq.read_metadata(tmp)  # a torn write fails here, never behind the final name
-        if exclusive:
-            os.link(tmp, final)  # atomic create-if-absent
-        else:
-            os.replace(tmp, final)
+        os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
     return final
+
+
+def write_table(lake: Lake, table: str, run: str, part: Optional[int], key: str,
+                data: Union[pa.Table, list[dict]], exclusive: bool = False) -> Path:
+    """Write one file of a table and return its path.
+
+    Data tables (games, turns, learner_steps): a file, invisible until its partition's marker is
+    committed; a retried task replaces its file (same key). Marker tables (rounds, checkpoints):
+    the partition's commit (FileExistsError if it is committed already; `exclusive` is implied).
+    Replace tables (ratings...): the run's file, replaced atomically and visible at once.
+    """
+    data = _as_table(table, data)
+    rule = TABLES[table].rule if table in TABLES else "replace"
+    if rule == "marker":
+        return commit_marker(lake, table, run, part, key, data.to_pylist()[0])
+    path = _write_file(lake, table, run, part, key, data)
+    if rule == "replace" and table in VIEWS:
+        refresh_catalog(lake)
+    return path
 
 
 def is_whole_parquet(path: Path) -> bool:
@@ -167,84 +107,21 @@ def is_whole_parquet(path: Path) -> bool:
         return False
 
 
-_PART_RE = re.compile(r"^(run|round|iteration)=(.+)$")
-
-
-def _partition_values(path: Path, root: Path) -> dict:
-    vals = {}
-    for part in path.relative_to(root).parts[:-1]:
-        m = _PART_RE.match(part)
-        if m:
-            vals[m.group(1)] = m.group(2) if m.group(1) == "run" else int(m.group(2))
-    return vals
-
-
-# Columns a file must have (with these types) to belong to a table. Other columns may be missing:
-# files written before a column was added still read, with nulls in it.
-KEY_COLUMNS = {"games": ("game_id", "seats"), "turns": ("game_id", "turn", "pid"),
-               "rounds": ("checkpoint_uid",), "checkpoints": ("uid",)}
-
-
-def _belongs(path: Path, table: str) -> Optional[str]:
-    """None if the file fits the table, else why not."""
+def why_not_belongs(path: Path, table: str) -> Optional[str]:
+    """None if the file fits the table (whole, key columns with their types), else why not."""
     if not is_whole_parquet(path):
         return "not a whole Parquet file (torn write?)"
-    keys = KEY_COLUMNS.get(table)
-    if not keys:
-        return None
     try:
         schema = pq.read_schema(path)
     except Exception as e:  # noqa: BLE001 - any unreadable footer is a foreign file
         return f"unreadable footer ({e})"
-    want = SCHEMAS[table]
-    for k in keys:
+    want = TABLES[table].schema
+    for k in TABLES[table].keys:
         if k not in schema.names:
             return f"has no column {k!r}: not a {table} file"
         if not schema.field(k).type.equals(want.field(k).type):
             return f"column {k!r} is {schema.field(k).type}, expected {want.field(k).type}"
     return None
-
-
-def list_files(lake: Union[str, Path], table: str) -> list[Path]:
-    """Parquet files of a table; temp files are ignored, torn or foreign files skipped with a warning."""
-    root = Path(lake) / table
-    if not root.is_dir():
-        return []
-    out = []
-    for p in sorted(p for p in root.rglob("*.parquet") if not p.name.startswith(".")):
-        why = _belongs(p, table)
-        if why is None:
-            out.append(p)
-        else:
-            log.warning("lake: skipping %s: %s", p, why)
-    return out
-
-
-# Tables whose files become visible through a commit marker: table -> (marker table, partition).
-COMMITTED_BY = {"games": ("rounds", "round"), "turns": ("rounds", "round"),
-                "learner_steps": ("checkpoints", "iteration")}
-
-
-def committed_attempts(lake: Union[str, Path], marker: str = "rounds",
-                       run: Optional[str] = None) -> dict[tuple[str, int], Optional[str]]:
-    """(run, round or iteration) -> the attempt id its commit marker records (None: every file
-    counts, as in lakes written before attempts existed)."""
-    root = Path(lake) / marker
-    part = PARTITION[marker]
-    out = {}
-    for p in list_files(lake, marker):
-        v = _partition_values(p, root)
-        if part in v and (run is None or v["run"] == run):
-            names = pq.read_schema(p).names
-            attempt = pq.read_table(p, columns=["attempt"]).column(0)[0].as_py() if "attempt" in names else None
-            out[(v["run"], v[part])] = attempt
-    return out
-
-
-def committed_rounds(lake: Union[str, Path], run: Optional[str] = None) -> set[tuple[str, int]]:
-    root = Path(lake) / "rounds"
-    return {(v["run"], v["round"]) for v in (_partition_values(p, root) for p in list_files(lake, "rounds"))
-            if "round" in v and (run is None or v["run"] == run)}
 
 
 def attempt_of(path: Path) -> Optional[str]:
@@ -253,46 +130,174 @@ def attempt_of(path: Path) -> Optional[str]:
     return parts[1] if len(parts) == 3 else None
 
 
-def visible_files(lake: Union[str, Path], table: str) -> list[Path]:
-    """Files a reader may see: committed rounds for games/turns, committed checkpoints for steps."""
-    files = list_files(lake, table)
-    if table not in COMMITTED_BY:
-        return files
-    marker, part = COMMITTED_BY[table]
-    ok = committed_attempts(lake, marker)
+# ---------------------------------------------------------------- commits
+
+def partition_files(lake: Lake, table: str, run: str, part: int, attempt: Optional[str]) -> list[str]:
+    """The files of one partition that a commit names, relative to the table folder: those of
+    `attempt` (every file when None, as for lakes written before attempts), whole and of the
+    table's schema; anything else there is skipped with a warning."""
+    d = table_dir(lake, table, run, part)
+    out = []
+    for p in sorted(d.glob("*.parquet")) if d.is_dir() else []:
+        if p.name.startswith(".") or (attempt is not None and attempt_of(p) != attempt):
+            continue
+        why = why_not_belongs(p, table)
+        if why is None:
+            out.append(str(p.relative_to(Path(lake) / table)))
+        else:
+            log.warning("lake: not committing %s: %s", p, why)
+    return out
+
+
+def commit_marker(lake: Lake, marker: str, run: str, part: int, key: str, row: dict) -> Path:
+    """Commit a partition (round or learner iteration): claim, apply its data files, publish.
+
+    FileExistsError when the partition is already claimed (by another driver, or an earlier run)."""
+    app = dl.app_id(run, PARTITION[marker], part)
+    if dl.claimed(lake, marker, app):
+        raise FileExistsError(f"{marker} {app} is already committed in lake {lake}")
+    attempt = row.get("attempt")
+    files = {t: partition_files(lake, t, run, part, attempt) for t in data_tables(marker)}
+    row = dict(row, files=[f"{t}/{rel}" for t, rels in files.items() for rel in rels])
+    path = _write_file(lake, marker, run, part, f"{key}.{attempt or uuid.uuid4().hex[:8]}", _as_table(marker, [row]))
+    try:
+        claim_and_publish(lake, marker, run, part, path, files)
+    except FileExistsError:
+        path.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def claim_and_publish(lake: Lake, marker: str, run: str, part: int, marker_file: Path,
+                      files: dict[str, list[str]]) -> None:
+    """Steps 1-3 of a commit for a marker file already written (also used by `migrate`)."""
+    app = dl.app_id(run, PARTITION[marker], part)
+    rel = str(marker_file.relative_to(Path(lake) / marker))
+    if not dl.commit(lake, marker, [], app=app, metadata={"unstable_dask.claim": app, "unstable_dask.marker": rel}):
+        raise FileExistsError(f"{marker} {app} was committed by another writer in lake {lake}")
+    _publish(lake, marker, app, rel, files)
+
+
+def _publish(lake: Lake, marker: str, app: str, marker_rel: str, files: dict[str, list[str]]) -> None:
+    """Steps 2 and 3 of a commit; each is idempotent, so a finisher may repeat them."""
+    for table, rels in files.items():
+        dl.commit(lake, table, rels, app=app)
+    dl.commit(lake, marker, [marker_rel])  # adding a path the log has already is a no-op
+    refresh_catalog(lake)
+
+
+def finish_commits(lake: Lake, marker: str, run: str) -> list[int]:
+    """Publish the partitions of `run` that were claimed but not published (a driver killed
+    mid-commit): the marker file named in the claim lists the files. Returns their numbers."""
+    done, part = [], _last_visible(lake, marker, run)
+    while True:
+        part = -1 if part is None else part
+        app = dl.app_id(run, PARTITION[marker], part + 1)
+        meta = dl.claim_metadata(lake, marker, app)
+        if meta is None:
+            return done
+        rel = meta["unstable_dask.marker"]
+        names = pq.read_table(Path(lake) / marker / rel, columns=["files"]).column(0)[0].as_py() or []
+        files: dict[str, list[str]] = {t: [] for t in data_tables(marker)}
+        for name in names:
+            t, r = name.split("/", 1)
+            files[t].append(r)
+        _publish(lake, marker, app, rel, files)
+        part += 1
+        done.append(part)
+
+
+def _last_visible(lake: Lake, marker: str, run: str) -> Optional[int]:
+    snap = dl.snapshot(lake, marker)
+    parts = [p for r, p in zip(snap.runs, snap.parts) if r == run]
+    return max(parts) if parts else None
+
+
+def last_claimed(lake: Lake, marker: str, run: str) -> Optional[int]:
+    """The newest partition of `run` that is claimed (published or still being published)."""
+    part = _last_visible(lake, marker, run)
+    while dl.claimed(lake, marker, dl.app_id(run, PARTITION[marker], 0 if part is None else part + 1)):
+        part = 0 if part is None else part + 1
+    return part
+
+
+def commit_round(lake: Lake, run: str, round_: int, row: dict) -> Path:
+    """Commit a round (its games and turns files of `row['attempt']`); FileExistsError if it is
+    committed already."""
+    return commit_marker(lake, "rounds", run, round_, "commit", _as_table("rounds", [row]).to_pylist()[0])
+
+
+def remove_other_attempts(lake: Lake, marker: str, run: str, part: int, attempt: str) -> int:
+    """After a commit: delete files other attempts left behind (no commit names them)."""
+    removed = 0
+    for table in data_tables(marker):
+        d = table_dir(lake, table, run, part)
+        for p in d.glob("*.parquet") if d.is_dir() else []:
+            if attempt_of(p) != attempt:
+                p.unlink(missing_ok=True)
+                removed += 1
+    return removed
+
+
+def last_committed_round(lake: Lake, run: str) -> Optional[int]:
+    return last_claimed(lake, "rounds", run)
+
+
+# ---------------------------------------------------------------- reading
+
+def _replace_files(lake: Lake, table: str) -> list[str]:
+    """A replace table's files: one per run (a listing of the run folders, not of the data)."""
     root = Path(lake) / table
-    keep = []
-    for p in files:
-        v = _partition_values(p, root)
-        key = (v.get("run"), v.get(part))
-        if key in ok and (ok[key] is None or attempt_of(p) == ok[key]):
-            keep.append(p)
-    return keep
+    return sorted(str(p) for p in root.glob("run=*/*.parquet") if not p.name.startswith(".") and is_whole_parquet(p))
 
 
-def last_committed_round(lake: Union[str, Path], run: str) -> Optional[int]:
-    rounds = [r for (_, r) in committed_rounds(lake, run)]
-    return max(rounds) if rounds else None
+def snapshot_files(lake: Lake, versions: Optional[dict[str, int]] = None) -> dict[str, tuple[list[str], bool, Optional[int]]]:
+    """table -> (absolute paths of its committed files, files differ in columns, Delta version).
+
+    Data files count only in partitions whose marker is published; `versions` reads Delta
+    tables as of those versions (time travel), the others as of now."""
+    versions = versions or {}
+    root = Path(lake).resolve()
+    snaps = {t: dl.snapshot(lake, t, versions.get(t)) for t in DELTA_TABLES}
+    out = {}
+    for t, s in snaps.items():
+        keep = range(len(s.paths))
+        marker = TABLES[t].marker
+        if marker is not None:
+            published = set(zip(snaps[marker].runs, snaps[marker].parts))
+            keep = [i for i in keep if (s.runs[i], s.parts[i]) in published]
+        out[t] = ([str(root / t / s.paths[i]) for i in keep], s.mixed, s.version)
+    for t in TABLES:
+        if t not in out:
+            out[t] = (_replace_files(lake, t), True, None)
+    return out
+
+
+def visible_files(lake: Lake, table: str) -> list[Path]:
+    """Files a reader sees: committed data, published markers, the runs' ratings files."""
+    return [Path(p) for p in snapshot_files(lake)[table][0]]
+
+
+list_files = visible_files  # the pre-Delta name, kept for callers
+
+
+def committed_rounds(lake: Lake, run: Optional[str] = None) -> set[tuple[str, int]]:
+    s = dl.snapshot(lake, "rounds")
+    return {(r, p) for r, p in zip(s.runs, s.parts) if run is None or r == run}
 
 
 def _sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
-def view_sql(lake: Union[str, Path], table: str, absolute: bool = True) -> Optional[str]:
-    """SELECT over the visible files of a table, or None when there are none."""
-    files = visible_files(lake, table)
-    if not files:
-        return None
-    names = ", ".join(_sql_str(str(p.resolve() if absolute else p)) for p in files)
-    part = PARTITION.get(table)
-    types = {"run": "VARCHAR"} | ({part: "BIGINT"} if part else {})
-    hive_types = "{" + ", ".join(f"'{k}': '{v}'" for k, v in types.items()) + "}"
-    return (f"SELECT * FROM read_parquet([{names}], hive_partitioning=true, union_by_name=true, "
-            f"hive_types={hive_types})")
-
-
-TABLES = ("games", "turns", "rounds", "checkpoints", "learner_steps", "ratings", "rating_history", "head_to_head")
+def read_sql(table: str, files: list[str], mixed: bool) -> str:
+    """read_parquet over an explicit file list: no listing, hive columns typed and prunable.
+    Only tables holding files of older schemas pay for matching columns by name in every file."""
+    names = ", ".join(_sql_str(p) for p in files)
+    cols = ["run"] + ([PARTITION[table]] if table in PARTITION else [])
+    types = "{" + ", ".join(f"'{c}': '{'VARCHAR' if HIVE_TYPES[c] == pa.string() else 'BIGINT'}'" for c in cols) + "}"
+    return (f"SELECT * FROM read_parquet([{names}], hive_partitioning=true, hive_types={types}"
+            f"{', union_by_name=true' if mixed else ''})")
 
 
 SEATS_VIEW = """CREATE OR REPLACE VIEW seats AS
@@ -301,60 +306,58 @@ SEATS_VIEW = """CREATE OR REPLACE VIEW seats AS
     FROM games g, UNNEST(g.seats) AS t(s)"""
 
 
-def _schema(table: str) -> Optional[pa.Schema]:
-    if table in SCHEMAS:
-        return SCHEMAS[table]
-    # The jobs that write these tables own their schemas (imported late: they import this module).
-    if table == "learner_steps":
-        from .learn import LEARNER_STEPS
-        return LEARNER_STEPS
-    from .ratings import SCHEMAS as RATINGS_SCHEMAS
-    return RATINGS_SCHEMAS.get(table)
+def create_views(con: duckdb.DuckDBPyConnection, lake: Optional[Lake],
+                 versions: Optional[dict[str, int]] = None) -> list[str]:
+    """(Re)create one view per table over its committed files, plus the derived `seats` view.
 
-
-def _empty_relation(con: duckdb.DuckDBPyConnection, table: str) -> Optional[str]:
-    schema = _schema(table)
-    if schema is None:
-        return None
-    part = PARTITION.get(table)
-    extra = [("run", pa.string())] + ([(part, pa.int64())] if part else [])
-    full = pa.schema(list(schema) + [pa.field(n, t) for n, t in extra])
-    name = f"_empty_{table}"
-    con.register(name, pa.Table.from_pylist([], schema=full))
-    return f"SELECT * FROM {name}"
-
-
-def create_views(con: duckdb.DuckDBPyConnection, lake: Union[str, Path, None]) -> list[str]:
-    """(Re)create one view per table over its visible files, plus the derived `seats` view.
-
-    `lake=None`: every view empty, as on a fresh lake."""
-    made = []
-    for table in TABLES:
-        sql = view_sql(lake, table) if lake is not None else None
-        empty = _empty_relation(con, table)  # every column of the table's schema, typed, no rows
-        if sql is None:  # a fresh lake: empty views, so queries work
-            sql = empty
-            if sql is None:
-                continue
-        elif empty is not None:
-            # Files written before a column was added lack it: it reads as NULL, not a binder error.
-            sql = f"{sql} UNION ALL BY NAME {empty}"
-        con.execute(f"CREATE OR REPLACE VIEW {table} AS {sql}")
-        made.append(table)
+    Every view has every column of the catalog (typed): a table whose files predate a column
+    reads it as NULL. `lake=None`: every view empty, as on a fresh lake."""
+    snap = snapshot_files(lake, versions) if lake is not None else {}
+    for table in VIEWS:
+        files, mixed, _ = snap.get(table, ([], False, None))
+        try:
+            con.execute(f"CREATE OR REPLACE VIEW {table} AS {view_sql(table, files, mixed)}")
+        except (duckdb.IOException, duckdb.InvalidInputException) as e:  # a committed file is gone or torn: say which, never read fewer rows
+            from .config import JobError
+            raise JobError(f"lake {lake}: table {table!r} names a file that cannot be read "
+                           f"({str(e).splitlines()[0]})") from None
     con.execute(SEATS_VIEW)
-    made.append("seats")
-    return made
+    return list(VIEWS) + ["seats"]
 
 
-def connect(lake: Union[str, Path] = "lake", read_only: bool = True) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with views over the committed data of `lake`.
+@functools.lru_cache(maxsize=None)
+def empty_sql(table: str) -> str:
+    """A typed relation with every column of the table and no rows, in plain SQL (it must live
+    in lake.duckdb too, where no Arrow table can be registered)."""
+    con = duckdb.connect(":memory:")
+    con.register("t", with_partitions(table).empty_table())
+    cols = con.execute("DESCRIBE t").fetchall()
+    con.close()
+    return "SELECT " + ", ".join(f'CAST(NULL AS {typ}) AS "{name}"' for name, typ, *_ in cols) + " WHERE false"
+
+
+def view_sql(table: str, files: list[str], mixed: bool) -> str:
+    """The view of a table: its files, plus the typed empty relation so that every column exists
+    (NULL in files written before the column did)."""
+    return f"{read_sql(table, files, mixed)} UNION ALL BY NAME {empty_sql(table)}" if files else empty_sql(table)
+
+
+def table_versions(lake: Lake) -> dict[str, Optional[int]]:
+    """The Delta version of every Delta table now: what a reader of the lake sees."""
+    return {t: dl.snapshot(lake, t).version for t in DELTA_TABLES}
+
+
+def connect(lake: Lake = "lake", read_only: bool = True,
+            versions: Optional[dict[str, int]] = None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with views over the committed snapshot of `lake`
+    (as of `versions`, {table: Delta version}, when given).
 
     `read_only=True` (the default) confines file access to the lake folder and locks the
     configuration; together with `query` (SELECT statements only) user SQL can read the lake and
     write nothing.
     """
     con = duckdb.connect(":memory:")
-    create_views(con, lake)
+    create_views(con, lake, versions)
     if read_only:
         root = str(Path(lake).resolve()) + os.sep
         con.execute("SET allowed_directories = [?]", [root])
@@ -385,8 +388,10 @@ def check_select_only(con: duckdb.DuckDBPyConnection, sql: str, what: str = "SQL
             raise JobError(f"{what}: only SELECT queries may run against the lake, got a {st.type.name} statement")
 
 
-def query(lake: Union[str, Path], sql: str, params: Iterable = ()) -> pa.Table:
-    """Run a user's SELECT over the committed lake (read-only) and return Arrow."""
+def query(lake: Lake, sql: str, params: Iterable = ()) -> pa.Table:
+    """Run a user's SELECT over the committed lake (read-only) and return Arrow.
+
+    A committed file that is missing or torn is an error naming it, never fewer rows."""
     from .config import JobError
     con = connect(lake)
     try:
@@ -399,28 +404,7 @@ def query(lake: Union[str, Path], sql: str, params: Iterable = ()) -> pa.Table:
         con.close()
 
 
-def refresh_catalog(lake: Union[str, Path]) -> Path:
-    """Rewrite <lake>/lake.duckdb: views for the duckdb shell (`duckdb lake/lake.duckdb`)."""
-    lake = Path(lake)
-    lake.mkdir(parents=True, exist_ok=True)
-    final = lake / "lake.duckdb"
-    tmp = lake / f".lake.{uuid.uuid4().hex[:8]}.duckdb.tmp"
-    con = duckdb.connect(str(tmp))
-    try:
-        for table in TABLES:
-            sql = view_sql(lake, table)
-            if sql is not None:
-                con.execute(f"CREATE OR REPLACE VIEW {table} AS {sql}")
-        if view_sql(lake, "games") is not None:
-            con.execute(SEATS_VIEW)
-    finally:
-        con.close()
-    os.replace(tmp, final)
-    Path(str(tmp) + ".wal").unlink(missing_ok=True)
-    return final
-
-
-def read_table(lake: Union[str, Path], table: str, where: str = "", params: Iterable = ()) -> pa.Table:
+def read_table(lake: Lake, table: str, where: str = "", params: Iterable = ()) -> pa.Table:
     """A visible table (optionally filtered) as Arrow, through DuckDB."""
     con = connect(lake)
     try:
@@ -430,18 +414,21 @@ def read_table(lake: Union[str, Path], table: str, where: str = "", params: Iter
         con.close()
 
 
-def commit_round(lake: Union[str, Path], run: str, round_: int, row: dict) -> Path:
-    """Write a round's commit marker; FileExistsError if that round is already committed."""
-    return write_table(lake, "rounds", run, round_, "commit", [row], exclusive=True)
-
-
-def remove_other_attempts(lake: Union[str, Path], marker: str, run: str, part: int, attempt: str) -> int:
-    """After a commit: delete files other attempts left behind (they can never be visible)."""
-    removed = 0
-    for table in [t for t, (m, _) in COMMITTED_BY.items() if m == marker]:
-        d = table_dir(lake, table, run, part)
-        for p in d.glob("*.parquet") if d.is_dir() else []:
-            if attempt_of(p) != attempt:
-                p.unlink(missing_ok=True)
-                removed += 1
-    return removed
+def refresh_catalog(lake: Lake) -> Path:
+    """Rewrite <lake>/lake.duckdb: views over the committed snapshot for the duckdb shell
+    (`duckdb lake/lake.duckdb`). Called after every commit, so the shell never lags."""
+    lake = Path(lake)
+    lake.mkdir(parents=True, exist_ok=True)
+    final = lake / "lake.duckdb"
+    tmp = lake / f".lake.{uuid.uuid4().hex[:8]}.duckdb.tmp"
+    con = duckdb.connect(str(tmp))
+    try:
+        snap = snapshot_files(lake)
+        for table in VIEWS:
+            con.execute(f"CREATE OR REPLACE VIEW {table} AS {view_sql(table, *snap[table][:2])}")
+        con.execute(SEATS_VIEW)
+    finally:
+        con.close()
+    os.replace(tmp, final)
+    Path(str(tmp) + ".wal").unlink(missing_ok=True)
+    return final

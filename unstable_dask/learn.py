@@ -27,24 +27,10 @@ import pyarrow as pa
 
 from . import algorithms
 from . import lake as lk
+from .catalog import LEARNER_STEPS
 from .config import Job, JobError
 from .rewards import batch_query, parse_transforms, run_batch_query, window_rounds
 
-LEARNER_STEPS = pa.schema([
-    ("update", pa.int32()), ("algorithm", pa.string()), ("checkpoint_uid", pa.string()),
-    ("loss", pa.float64()), ("pg_loss", pa.float64()), ("value_loss", pa.float64()), ("value_mae", pa.float64()),
-    ("kl", pa.float64()), ("clip_frac", pa.float64()), ("logp_mean", pa.float64()), ("optimizer_steps", pa.int32()),
-    ("grad_norm", pa.float64()), ("critic_grad_norm", pa.float64()), ("lr", pa.float64()), ("critic_lr", pa.float64()),
-    ("samples", pa.int64()), ("tokens", pa.int64()), ("train_tokens", pa.int64()), ("tokens_per_s", pa.float64()),
-    ("step_time_s", pa.float64()), ("mean_train_len", pa.float64()), ("pct_truncated", pa.float64()),
-    ("reward_mean", pa.float64()), ("step_reward_mean", pa.float64()),
-    ("advantage_mean", pa.float64()), ("advantage_std", pa.float64()), ("batch_seed", pa.int64()),
-    ("rounds", pa.list_(pa.int64())), ("device", pa.string()),
-    ("cuda_mem_allocated", pa.int64()), ("cuda_mem_reserved", pa.int64()), ("cuda_mem_peak", pa.int64()),
-    # single-GPU mode: the resident engine sleeps during the update
-    ("engine_sleep_s", pa.float64()), ("engine_wake_s", pa.float64()), ("cuda_free_engine_asleep", pa.int64()),
-    ("created_at", pa.timestamp("us", tz="UTC")),
-])
 
 
 @dataclass
@@ -84,6 +70,7 @@ def checkpoint_rows(lake: Union[str, Path], run: str) -> list[dict]:
 def plan(job: Job) -> Optional[Plan]:
     """What the next learn job trains: None when the newest committed round is already trained on."""
     lake, run = job.run.lake, job.run.name
+    lk.finish_commits(lake, "checkpoints", run)  # an iteration whose learner died mid-commit
     rounds = window_rounds(lake, run, job.learn.window)
     if not rounds:
         raise JobError(f"{job.source}: run '{run}' has no committed round in lake '{lake}'; play a round first")

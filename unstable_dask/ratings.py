@@ -37,38 +37,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import trueskill
 
-from . import bradley_terry, lake
+from . import bradley_terry, catalog, lake
 from .config import Job, JobError, RatingsConfig
 from .duels import FAST, MIRROR, MULTI, SOLO, dense_ranks, enter_track, make_env, package_rate, replay_duels
 
 OVERALL = "*"
 
-SCHEMAS: dict[str, pa.Schema] = {
-    "ratings": pa.schema([
-        ("model_uid", pa.string()), ("env_id", pa.string()),  # env_id '*' = all envs
-        ("mu", pa.float64()), ("sigma", pa.float64()), ("conservative", pa.float64()),  # mu - 3 sigma
-        ("games", pa.int64()), ("wins", pa.int64()), ("draws", pa.int64()), ("losses", pa.int64()),
-        ("mirror_games", pa.int64()),  # self-play games, not rated
-        ("bt_score", pa.float64()), ("bt_ci_low", pa.float64()), ("bt_ci_high", pa.float64()),
-        ("rank", pa.int64()),  # 1 + models whose BT lower bound is above this upper bound
-    ]),
-    "rating_history": pa.schema([
-        ("round", pa.int64()), ("model_uid", pa.string()), ("env_id", pa.string()),
-        ("mu", pa.float64()), ("sigma", pa.float64()), ("conservative", pa.float64()),
-    ]),
-    "head_to_head": pa.schema([
-        ("env_id", pa.string()), ("model_a", pa.string()), ("model_b", pa.string()),
-        ("games", pa.int64()), ("wins_a", pa.int64()), ("draws", pa.int64()),
-        ("win_rate_a", pa.float64()),  # (wins_a + draws / 2) / games
-    ]),
-    # Replay state. kind='slot': one (env_id, model_uid) with mu, sigma and W/D/L counters;
-    # kind='pair': pairwise counts of model_uid (a) vs model_b with wins = wins_a, losses = wins_b.
-    "ratings_state": pa.schema([
-        ("kind", pa.string()), ("env_id", pa.string()), ("model_uid", pa.string()), ("model_b", pa.string()),
-        ("mu", pa.float64()), ("sigma", pa.float64()), ("games", pa.int64()), ("wins", pa.int64()),
-        ("draws", pa.int64()), ("losses", pa.int64()), ("mirror_games", pa.int64()),
-    ]),
-}
+# The tables this job writes: their schemas live in the catalog with every other table's.
+SCHEMAS: dict[str, pa.Schema] = {t: catalog.SCHEMAS[t] for t in ("ratings", "rating_history", "head_to_head", "ratings_state")}
 
 
 @dataclass

@@ -84,6 +84,7 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
     check_envs(job)
     with _in_job(job):
         resolve_model(job.model.base)  # a missing model fails here, not on every worker; builds builtins once
+    lk.finish_commits(lake, "rounds", run)  # a round whose driver died mid-commit
     last = lk.last_committed_round(lake, run)
     round_ = 0 if last is None else last + 1
     checkpoints = list_checkpoints(lake, run)
@@ -114,7 +115,6 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
         raise JobError(f"round {round_} of run {run!r} was committed by another driver while this one played; "
                        f"nothing of this attempt is visible; run the command again for round {round_ + 1}") from None
     lk.remove_other_attempts(lake, "rounds", run, round_, attempt)
-    lk.refresh_catalog(lake)
     return summary
 
 

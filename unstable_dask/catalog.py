@@ -1,0 +1,230 @@
+"""The table catalog: every lake table's schema, partitioning, key columns and commit rule.
+
+One place for the tables' contract. The lake (lake.py, delta.py), the jobs that write tables
+(round, learn, rate) and lake/README.md (its column tables are generated from here, a test
+fails when they drift) all read it; this module imports nothing of the project.
+
+Commit rules:
+  data     Parquet files written by workers, visible once the marker of their partition is
+           committed (games and turns by a `rounds` row, learner_steps by a `checkpoints` row).
+  marker   a Delta commit that claims a partition (one per run and round/iteration, exclusive)
+           and names the data files it makes visible.
+  replace  derived tables rewritten whole per run by one job (ratings): one file per run,
+           replaced atomically; a re-run gives the same bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pyarrow as pa
+
+SEAT = pa.struct([
+    ("pid", pa.int32()),
+    ("model_uid", pa.string()),  # checkpoint uid, "base", "random", or a fixed opponent's name
+    ("is_learner", pa.bool_()),  # seat played by the checkpoint this round trains/evaluates
+    ("role", pa.string()),
+    ("reward", pa.float64()),  # final reward from the env
+    ("invalid_move", pa.bool_()),  # the game ended because this seat made an invalid move
+    ("reason", pa.string()),
+])
+
+
+def _f(name: str, type_: pa.DataType, doc: str = "") -> pa.Field:
+    """A field whose meaning travels with it (lake/README.md is generated from these docs)."""
+    return pa.field(name, type_, metadata={"doc": doc} if doc else None)
+
+
+GAMES = pa.schema([
+    _f("game_id", pa.string(), "`<run>-r<round>-<split>-<index>`, deterministic, one per game"),
+    _f("split", pa.string(), "`train` (learner data) or `eval` (against fixed opponents)"),
+    _f("env_id", pa.string(), "TextArena env id, e.g. `SimpleTak-v0-train`"),
+    _f("seed", pa.int64(), "the env's reset seed; shared by the games of a group"),
+    _f("group_id", pa.string(), "the games of one start state (same env, seed, seats)"),
+    _f("num_players", pa.int32(), "seats"),
+    _f("num_turns", pa.int32(), "moves played (invalid attempts included)"),
+    _f("started_at", pa.timestamp("us", tz="UTC")),
+    _f("finished_at", pa.timestamp("us", tz="UTC")),
+    _f("worker", pa.string(), "`host:pid` of the Dask worker"),
+    _f("task", pa.string(), "the task (file) key"),
+    _f("seats", pa.list_(SEAT), "per seat: pid, model_uid, is_learner, role, reward (final), invalid_move, reason"),
+])
+
+TURNS = pa.schema([
+    _f("game_id", pa.string(), "the game"),
+    _f("turn", pa.int32(), "0-based index over all moves of the game"),
+    _f("pid", pa.int32(), "who moved"),
+    _f("model_uid", pa.string(), "the model in that seat"),
+    _f("is_learner", pa.bool_(), "the seat is the checkpoint being trained"),
+    _f("split", pa.string(), "copied from the game"),
+    _f("env_id", pa.string(), "copied from the game"),
+    _f("seed", pa.int64(), "the game's env seed"),
+    _f("group_id", pa.string(), "the game's group (GRPO compares the (group_id, pid) attempts)"),
+    _f("observation", pa.string(), "what the env showed the player"),
+    _f("prompt", pa.string(), "exact text fed to the model (null for the random agent)"),
+    _f("completion", pa.string(), "raw model output"),
+    _f("action", pa.string(), "what was sent to the env"),
+    _f("format_ok", pa.bool_(), "a non-empty \\boxed{} answer was found"),
+    _f("invalid_move", pa.bool_(), "the env rejected the move"),
+    _f("step_info", pa.string(), "the env's step info as JSON"),
+    _f("prompt_tokens", pa.int32(), "tokens fed (after left-truncation)"),
+    _f("completion_tokens", pa.int32(), "tokens generated"),
+    _f("completion_token_ids", pa.list_(pa.int32()),
+       "the exact ids the engine generated, EOS included when generated (null for `random`)"),
+    _f("truncated", pa.bool_(), "generation stopped at max_new_tokens"),
+    _f("logprobs", pa.list_(pa.float32()),
+       "behaviour log-prob of each completion token: sampling.sampling_logprobs(logits, T, top_p)"),
+    _f("latency_s", pa.float64(), "wall time of the batched generate call this turn was in"),
+])
+
+ROUNDS = pa.schema([
+    _f("attempt", pa.string(), "the driver attempt whose files are the round's data"),
+    _f("checkpoint_uid", pa.string(), "the checkpoint this round played"),
+    _f("games", pa.int64()), _f("turns", pa.int64()), _f("tasks", pa.int64()), _f("completion_tokens", pa.int64()),
+    _f("temperature", pa.float64(), "sampling settings the games were played with (null: not recorded)"),
+    _f("top_p", pa.float64()),
+    _f("max_new_tokens", pa.int64()),
+    _f("job_fingerprint", pa.string(), "sha256 of the validated job, 16 hex"),
+    _f("job", pa.string(), "the validated job as JSON"),
+    _f("started_at", pa.timestamp("us", tz="UTC")),
+    _f("committed_at", pa.timestamp("us", tz="UTC")),
+    _f("files", pa.list_(pa.string()), "the data files this commit makes visible, relative to the lake"),
+])
+
+CHECKPOINTS = pa.schema([
+    _f("attempt", pa.string(), "the learner attempt whose adapter and learner_steps are this checkpoint's"),
+    _f("uid", pa.string(), "`ckpt-<k>`"),
+    _f("parent_uid", pa.string(), "the checkpoint it was trained from"),
+    _f("adapter_path", pa.string(), "relative to the lake root; null for the base model"),
+    _f("base_model", pa.string()),
+    _f("rounds_trained", pa.list_(pa.int64()), "rounds the batches were sampled from"),
+    _f("algorithm", pa.string()),
+    _f("created_at", pa.timestamp("us", tz="UTC")),
+    _f("files", pa.list_(pa.string()), "the data files this commit makes visible, relative to the lake"),
+])
+
+LEARNER_STEPS = pa.schema([
+    _f("update", pa.int32(), "numbers the updates inside an iteration"),
+    _f("algorithm", pa.string()), _f("checkpoint_uid", pa.string(), "the checkpoint this update produced"),
+    _f("loss", pa.float64()), _f("pg_loss", pa.float64()), _f("value_loss", pa.float64()),
+    _f("value_mae", pa.float64()), _f("kl", pa.float64()), _f("clip_frac", pa.float64()),
+    _f("logp_mean", pa.float64()),
+    _f("optimizer_steps", pa.int32(), "optimizer steps the update took; loss terms are their means"),
+    _f("grad_norm", pa.float64(), "before clipping"), _f("critic_grad_norm", pa.float64()),
+    _f("lr", pa.float64()), _f("critic_lr", pa.float64()),
+    _f("samples", pa.int64(), "batch rows"), _f("tokens", pa.int64()), _f("train_tokens", pa.int64()),
+    _f("tokens_per_s", pa.float64()), _f("step_time_s", pa.float64()),
+    _f("mean_train_len", pa.float64()), _f("pct_truncated", pa.float64()),
+    _f("reward_mean", pa.float64()), _f("step_reward_mean", pa.float64()),
+    _f("advantage_mean", pa.float64()), _f("advantage_std", pa.float64()),
+    _f("batch_seed", pa.int64(), "the sampling seed (a batch is a pure function of lake, SQL, seed)"),
+    _f("rounds", pa.list_(pa.int64()), "the rounds the batch came from"),
+    _f("device", pa.string(), "cpu / cuda"),
+    _f("cuda_mem_allocated", pa.int64()), _f("cuda_mem_reserved", pa.int64()), _f("cuda_mem_peak", pa.int64()),
+    # single-GPU mode: the resident engine sleeps during the update
+    _f("engine_sleep_s", pa.float64()), _f("engine_wake_s", pa.float64()), _f("cuda_free_engine_asleep", pa.int64()),
+    _f("table_versions", pa.string(),
+       "JSON {table: Delta version} of the snapshot the batch was read from (`learn --preview --at-version`)"),
+    _f("created_at", pa.timestamp("us", tz="UTC")),
+])
+
+RATINGS = pa.schema([
+    _f("model_uid", pa.string()), _f("env_id", pa.string(), "`*` = all envs"),
+    _f("mu", pa.float64()), _f("sigma", pa.float64()), _f("conservative", pa.float64(), "mu - 3 sigma"),
+    _f("games", pa.int64()), _f("wins", pa.int64()), _f("draws", pa.int64()), _f("losses", pa.int64()),
+    _f("mirror_games", pa.int64(), "self-play games, not rated"),
+    _f("bt_score", pa.float64()), _f("bt_ci_low", pa.float64()), _f("bt_ci_high", pa.float64()),
+    _f("rank", pa.int64(), "1 + models whose BT lower bound is above this upper bound"),
+])
+RATING_HISTORY = pa.schema([
+    _f("round", pa.int64()), _f("model_uid", pa.string()), _f("env_id", pa.string()),
+    _f("mu", pa.float64()), _f("sigma", pa.float64()), _f("conservative", pa.float64()),
+])
+HEAD_TO_HEAD = pa.schema([
+    _f("env_id", pa.string()), _f("model_a", pa.string()), _f("model_b", pa.string()),
+    _f("games", pa.int64()), _f("wins_a", pa.int64()), _f("draws", pa.int64()),
+    _f("win_rate_a", pa.float64(), "(wins_a + draws / 2) / games"),
+])
+# Replay state. kind='slot': one (env_id, model_uid) with mu, sigma and W/D/L counters;
+# kind='pair': pairwise counts of model_uid (a) vs model_b with wins = wins_a, losses = wins_b.
+RATINGS_STATE = pa.schema([
+    _f("kind", pa.string()), _f("env_id", pa.string()), _f("model_uid", pa.string()), _f("model_b", pa.string()),
+    _f("mu", pa.float64()), _f("sigma", pa.float64()), _f("games", pa.int64()), _f("wins", pa.int64()),
+    _f("draws", pa.int64()), _f("losses", pa.int64()), _f("mirror_games", pa.int64()),
+])
+
+
+def _strip(schema: pa.Schema) -> pa.Schema:
+    """The schema files are written with: the docs stay here, not in every file's footer."""
+    return pa.schema([f.remove_metadata() for f in schema])
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    documented: pa.Schema  # fields carry their meaning as metadata {"doc": ...}
+    partition: Optional[str]  # below run=<run>/: "round", "iteration", or None (one file per run)
+    keys: tuple[str, ...]  # columns a file must have, with these types, to belong to the table
+    rule: str  # "data" | "marker" | "replace" (see the module doc)
+    marker: Optional[str] = None  # for data tables: the marker table that commits them
+    view: bool = True  # a DuckDB view of this name exists
+    doc: str = ""
+
+    @property
+    def schema(self) -> pa.Schema:
+        return _strip(self.documented)
+
+
+TABLES: dict[str, Table] = {t.name: t for t in [
+    Table("games", GAMES, "round", ("game_id", "seats"), "data", "rounds", doc="one row per game"),
+    Table("turns", TURNS, "round", ("game_id", "turn", "pid"), "data", "rounds", doc="one row per move"),
+    Table("rounds", ROUNDS, "round", ("checkpoint_uid",), "marker", doc="one row per committed round: its commit"),
+    Table("checkpoints", CHECKPOINTS, "iteration", ("uid",), "marker",
+          doc="one row per learner iteration: the learner's commit"),
+    Table("learner_steps", LEARNER_STEPS, "iteration", ("update",), "data", "checkpoints",
+          doc="one row per update (one sampled batch)"),
+    Table("ratings", RATINGS, None, ("model_uid",), "replace", doc="per model and env, recomputed by `run rate`"),
+    Table("rating_history", RATING_HISTORY, None, ("round",), "replace", doc="the ratings after every committed round"),
+    Table("head_to_head", HEAD_TO_HEAD, None, ("model_a",), "replace", doc="pairwise results (both directions)"),
+    Table("ratings_state", RATINGS_STATE, None, ("kind",), "replace", view=False,
+          doc="the replay state `rate` continues from (internal)"),
+]}
+
+# Delta tables: the ones whose visibility is a commit in a log.
+DELTA_TABLES = tuple(n for n, t in TABLES.items() if t.rule in ("data", "marker"))
+VIEWS = tuple(n for n, t in TABLES.items() if t.view)
+SCHEMAS: dict[str, pa.Schema] = {n: t.schema for n, t in TABLES.items()}
+PARTITION: dict[str, str] = {n: t.partition for n, t in TABLES.items() if t.partition}
+HIVE_TYPES = {"run": pa.string(), "round": pa.int64(), "iteration": pa.int64()}
+
+
+def data_tables(marker: str) -> list[str]:
+    """The data tables a marker table's commit makes visible."""
+    return [n for n, t in TABLES.items() if t.marker == marker]
+
+
+def with_partitions(table: str) -> pa.Schema:
+    """The table's schema plus the columns that come from the path (run, round / iteration)."""
+    t = TABLES[table]
+    extra = ["run"] + ([t.partition] if t.partition else [])
+    return pa.schema(list(t.schema) + [pa.field(c, HIVE_TYPES[c]) for c in extra])
+
+
+def _type_name(t: pa.DataType) -> str:
+    return str(t).replace("timestamp[us, tz=UTC]", "timestamp (UTC)").replace("large_", "")
+
+
+def columns_markdown(table: str) -> str:
+    """The column table of lake/README.md for one table (generated: tests compare it)."""
+    t = TABLES[table]
+    part = f", {t.partition}" if t.partition else ""
+    lines = [f"### {table} — {t.doc}", "", "| column | type | meaning |", "|---|---|---|",
+             f"| run{part} | string{', int64' if part else ''} | from the path (hive partitions) |"]
+    for f in t.documented:
+        doc = (f.metadata or {}).get(b"doc", b"").decode()
+        lines.append(f"| {f.name} | {_type_name(f.type)} | {doc.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def readme_tables() -> str:
+    return "\n\n".join(columns_markdown(n) for n in TABLES) + "\n"

@@ -1,0 +1,174 @@
+"""Delta Lake (delta-rs) under the lake: commits of pre-written files, snapshots, maintenance.
+
+Workers write Parquet files into a table's partition folders; nothing here writes data rows. A
+commit is a Delta transaction of `add` actions naming those files. Claims and idempotence use
+Delta application transactions (`txn` actions): a commit carrying `txn(app_id)` is refused when
+that app id is already in the log, and two racing commits with the same app id conflict (the
+loser gets CommitFailedError), so a partition is claimed once and applied once.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from deltalake import DeltaTable, Schema
+from deltalake.exceptions import CommitFailedError, TableNotFoundError
+from deltalake.transaction import AddAction, CommitProperties, Transaction, create_table_with_add_actions
+
+from .catalog import TABLES, with_partitions
+
+log = logging.getLogger("unstable_dask.lake")
+MIXED = "unstable_dask.mixedSchemas"  # table property: some files lack columns of the catalog schema
+
+Lake = Union[str, Path]
+
+
+def table_uri(lake: Lake, table: str) -> str:
+    return str(Path(lake).resolve() / table)
+
+
+def app_id(run: str, partition: str, part: int) -> str:
+    """The application-transaction id of one partition's commit, e.g. `demo/round=3`."""
+    return f"{run}/{partition}={part}"
+
+
+def load(lake: Lake, table: str, version: Optional[int] = None) -> Optional[DeltaTable]:
+    """The table's snapshot (newest, or `version`), None when the table has no log yet."""
+    try:
+        return DeltaTable(table_uri(lake, table), version=version)
+    except TableNotFoundError:
+        return None
+
+
+def _ensure(lake: Lake, table: str) -> DeltaTable:
+    """Create the table (empty, version 0) if absent; a creation race is harmless."""
+    dt = load(lake, table)
+    if dt is not None:
+        return dt
+    part = TABLES[table].partition
+    try:
+        create_table_with_add_actions(table_uri(lake, table), Schema.from_arrow(with_partitions(table)), [],
+                                      mode="ignore", partition_by=["run", part] if part else ["run"])
+    except Exception:  # noqa: BLE001 - another writer created it first; load() below says
+        pass
+    dt = load(lake, table)
+    if dt is None:
+        raise RuntimeError(f"lake table {table_uri(lake, table)}: could not create its Delta log")
+    return dt
+
+
+def add_action(lake: Lake, table: str, rel: str) -> tuple[AddAction, bool]:
+    """The add action of an existing file (`rel`: relative to the table folder) and whether the
+    file lacks columns of the catalog schema (written before they existed)."""
+    path = Path(lake) / table / rel
+    meta = pq.read_metadata(path)  # a torn file fails here, before it is named by a commit
+    st = path.stat()
+    values = dict(part.split("=", 1) for part in Path(rel).parts[:-1])
+    names = set(meta.schema.to_arrow_schema().names)
+    lacks = not set(TABLES[table].schema.names) <= names
+    return AddAction(rel, st.st_size, values, int(st.st_mtime * 1000), True,
+                     json.dumps({"numRecords": meta.num_rows})), lacks
+
+
+def commit(lake: Lake, table: str, rels: list[str], app: Optional[str] = None,
+           metadata: Optional[dict] = None) -> bool:
+    """One Delta commit adding `rels`; False (nothing done) when `app` is already in the log."""
+    dt = _ensure(lake, table)
+    adds, mixed = [], False
+    for rel in rels:
+        a, lacks = add_action(lake, table, rel)
+        adds.append(a)
+        mixed |= lacks
+    if mixed and dt.metadata().configuration.get(MIXED) != "true":
+        # Readers then match columns by name in every file (slower), instead of the first file's.
+        dt.alter.set_table_properties({MIXED: "true"}, raise_if_not_exists=False)
+        dt = load(lake, table)
+    if app is not None and dt.transaction_version(app) is not None:
+        return False
+    part = TABLES[table].partition
+    props = CommitProperties(custom_metadata=metadata, max_commit_retries=20,
+                             app_transactions=[Transaction(app, 1, int(time.time() * 1000))] if app else None)
+    try:
+        dt.create_write_transaction(adds, "append", with_partitions(table), ["run", part] if part else ["run"],
+                                    commit_properties=props)
+    except CommitFailedError:
+        fresh = load(lake, table)
+        if app is not None and fresh is not None and fresh.transaction_version(app) is not None:
+            return False  # a racing writer committed the same app id first
+        raise
+    return True
+
+
+def claimed(lake: Lake, table: str, app: str) -> bool:
+    dt = load(lake, table)
+    return dt is not None and dt.transaction_version(app) is not None
+
+
+def claim_metadata(lake: Lake, table: str, app: str) -> Optional[dict]:
+    """The custom metadata of the commit that claimed `app` (None if unclaimed): from the history,
+    read only to finish a commit whose driver died between claiming and publishing."""
+    dt = load(lake, table)
+    if dt is None or dt.transaction_version(app) is None:
+        return None
+    for info in dt.history():
+        if info.get("unstable_dask.claim") == app:
+            return info
+    return None
+
+
+@dataclass
+class Snapshot:
+    table: str
+    version: Optional[int]  # None: no log yet
+    paths: list[str]  # relative to the table folder
+    runs: list[str]
+    parts: list[Optional[int]]  # round / iteration of each file (None for unpartitioned tables)
+    mixed: bool
+
+
+def snapshot(lake: Lake, table: str, version: Optional[int] = None) -> Snapshot:
+    dt = load(lake, table, version)
+    if dt is None:
+        return Snapshot(table, None, [], [], [], False)
+    adds = pa.table(dt.get_add_actions(flatten=True))
+    part = TABLES[table].partition
+    parts = ([int(v) for v in adds.column(f"partition.{part}").to_pylist()] if part and adds.num_rows
+             else [None] * adds.num_rows)
+    runs = adds.column("partition.run").to_pylist() if adds.num_rows else []
+    return Snapshot(table, dt.version(), adds.column("path").to_pylist() if adds.num_rows else [], runs, parts,
+                    dt.metadata().configuration.get(MIXED) == "true")
+
+
+def compact(lake: Lake, table: str, run: Optional[str] = None, target_mb: int = 128) -> dict:
+    """Merge a table's small files (of one run, or all) into files of up to `target_mb`.
+
+    A `data_change = false` rewrite: every query reads the same rows before and after."""
+    dt = load(lake, table)
+    if dt is None:
+        return {"table": table, "added": 0, "removed": 0}
+    metrics = dt.optimize.compact(partition_filters=[("run", "=", run)] if run else None,
+                                  target_size=target_mb * 2**20)
+    return {"table": table, "added": metrics.get("numFilesAdded", 0), "removed": metrics.get("numFilesRemoved", 0)}
+
+
+def vacuum(lake: Lake, table: str, retention_hours: float) -> list[str]:
+    """Delete files the log removed (compaction) more than `retention_hours` ago. Files never
+    named by a commit (a round still being played) are left alone: `full=False`."""
+    dt = load(lake, table)
+    if dt is None:
+        return []
+    return dt.vacuum(retention_hours=int(retention_hours), dry_run=False, enforce_retention_duration=False)
+
+
+def versions(lake: Lake, tables: tuple[str, ...]) -> dict[str, Optional[int]]:
+    out = {}
+    for t in tables:
+        dt = load(lake, t)
+        out[t] = dt.version() if dt is not None else None
+    return out
