@@ -59,12 +59,12 @@ def write_round(lake_dir: Path, run: str, round_: int, games: list[dict], turns:
 
 def write_checkpoint(lake_dir: Path, run: str, iteration: int, uid: str, parent: Optional[str],
                      steps: Optional[list[dict]] = None) -> None:
+    if steps:  # before the checkpoints row, which commits them
+        lake.write_table(lake_dir, "learner_steps", run, iteration, "steps", steps)
     lake.write_table(lake_dir, "checkpoints", run, iteration, uid, [{
         "uid": uid, "parent_uid": parent, "adapter_path": f"adapters/{run}/{uid}", "base_model": "builtin:tiny",
         "rounds_trained": [iteration - 1] if iteration else [], "algorithm": "reinforce",
         "created_at": T0 + timedelta(minutes=iteration)}])
-    if steps:
-        lake.write_table(lake_dir, "learner_steps", run, iteration, "steps", steps)
 
 
 def outcome(rng: random.Random, a: float, b: float, draw: float = 0.1) -> tuple[float, float]:

@@ -13,6 +13,7 @@ import pytest
 
 from unstable_dask import lake as lk
 from unstable_dask.config import ClusterConfig, JobError, load_job
+from unstable_dask.migrate import migrate
 from unstable_dask.round import play_round
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,6 +159,7 @@ def test_lake_from_an_older_schema_still_reads(tmp_path):
     pq.write_table(old_turns, d / "task-0000.parquet")
     pq.write_table(pa.table({"checkpoint_uid": ["base"], "games": [1]}),
                    (lambda p: (p.mkdir(parents=True), p)[1])(tmp_path / "rounds/run=r/round=0") / "commit.parquet")
+    migrate(tmp_path)  # the lake of the time gets its Delta log
     lk.write_table(tmp_path, "turns", "r", 1, "task-0000.abc", [{"game_id": "new", "turn": 0, "pid": 1,
                                                                  "logprobs": [-0.5], "latency_s": 0.1}])
     lk.commit_round(tmp_path, "r", 1, {"attempt": "abc", "checkpoint_uid": "base"})
@@ -191,6 +193,7 @@ def test_lake_written_entirely_before_a_column_existed_still_opens(tmp_path):
         old = pa.schema([f for f in lk.SCHEMAS[table] if f.name in row])  # the columns of the time, typed
         pq.write_table(pa.Table.from_pylist([row], schema=old),
                        d / ("commit.parquet" if table == "rounds" else "task-0000.parquet"))
+    migrate(tmp_path)
     assert lk.query(tmp_path, "SELECT game_id, group_id, reward FROM seats").to_pylist() == [
         {"game_id": "g", "group_id": None, "reward": 1.0}]
     assert lk.query(tmp_path, "SELECT completion_token_ids, group_id FROM turns").to_pylist() == [

@@ -1,0 +1,126 @@
+"""The lake on Delta: committed files named by the log, one commit per partition under races,
+errors that name a missing file, time travel, migration of an old-format lake, the README's
+column tables generated from the catalog."""
+import multiprocessing as mp
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from unstable_dask import catalog
+from unstable_dask import delta as dl
+from unstable_dask import lake as lk
+from unstable_dask.config import JobError
+from unstable_dask.migrate import migrate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _game(gid: str) -> dict:
+    t = lk.now()
+    seat = dict(pid=0, model_uid="base", is_learner=True, role="P0", reward=1.0, invalid_move=False, reason="")
+    return dict(game_id=gid, split="train", env_id="E", seed=1, num_players=1, num_turns=1, started_at=t,
+                finished_at=t, worker="w", task="t", seats=[seat])
+
+
+def _round(lake, rnd: int, attempt: str, n: int = 2) -> None:
+    for i in range(n):
+        lk.write_table(lake, "games", "r", rnd, f"task-{i:04d}.{attempt}", [_game(f"{attempt}-{rnd}-{i}")])
+        lk.write_table(lake, "turns", "r", rnd, f"task-{i:04d}.{attempt}",
+                       [{"game_id": f"{attempt}-{rnd}-{i}", "turn": 0, "pid": 0}])
+
+
+def test_a_deleted_data_file_of_a_committed_round_is_named(tmp_path):
+    _round(tmp_path, 0, "a")
+    lk.commit_round(tmp_path, "r", 0, {"attempt": "a", "checkpoint_uid": "base"})
+    victim = tmp_path / "games/run=r/round=0/task-0001.a.parquet"
+    victim.unlink()
+    with pytest.raises(JobError, match="task-0001.a.parquet"):
+        lk.query(tmp_path, "SELECT count(*) FROM games")
+    other = tmp_path / "torn"
+    _round(other, 0, "a")
+    lk.commit_round(other, "r", 0, {"attempt": "a", "checkpoint_uid": "base"})
+    (other / "turns/run=r/round=0/task-0000.a.parquet").write_bytes(b"PAR1 torn")
+    with pytest.raises(JobError, match="task-0000.a.parquet"):
+        lk.query(other, "SELECT count(*) FROM turns")
+
+
+def _commit_in_process(lake: str, attempt: str, barrier, out) -> None:
+    barrier.wait()
+    try:
+        lk.commit_round(lake, "r", 0, {"attempt": attempt, "checkpoint_uid": "base"})
+        out.put(attempt)
+    except FileExistsError:
+        out.put("lost")
+
+
+def test_two_drivers_racing_one_round_give_one_commit(tmp_path):
+    """Two processes commit round 0 at the same instant, each with its own files: one wins, the
+    other is refused, and readers see exactly the winner's files, once."""
+    _round(tmp_path, 0, "a")
+    _round(tmp_path, 0, "b")
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_commit_in_process, args=(str(tmp_path), a, barrier, out)) for a in ("a", "b")]
+    [p.start() for p in procs]
+    [p.join(120) for p in procs]
+    results = sorted(out.get(timeout=5) for _ in procs)
+    assert results[1] == "lost" and results[0] in ("a", "b")
+    winner = results[0]
+    games = lk.query(tmp_path, "SELECT game_id FROM games ORDER BY 1").column(0).to_pylist()
+    assert games == [f"{winner}-0-0", f"{winner}-0-1"]
+    assert lk.query(tmp_path, "SELECT attempt FROM rounds").column(0).to_pylist() == [winner]
+    assert lk.last_committed_round(tmp_path, "r") == 0
+
+
+def test_a_commit_killed_after_its_claim_is_finished(tmp_path):
+    """The driver dies between claiming round 0 and publishing it: readers see nothing of it, and
+    the next driver finishes it from the log before playing round 1."""
+    _round(tmp_path, 0, "a")
+    marker = lk._write_file(tmp_path, "rounds", "r", 0, "commit.a",
+                            lk._as_table("rounds", [{"attempt": "a", "checkpoint_uid": "base", "files": [
+                                f"{t}/run=r/round=0/task-000{i}.a.parquet" for t in ("games", "turns") for i in (0, 1)]}]))
+    app = dl.app_id("r", "round", 0)
+    assert dl.commit(tmp_path, "rounds", [], app=app, metadata={"unstable_dask.claim": app,
+                                                                 "unstable_dask.marker": str(marker.relative_to(tmp_path / "rounds"))})
+    assert lk.query(tmp_path, "SELECT count(*) AS n FROM games").to_pylist() == [{"n": 0}]
+    assert lk.last_committed_round(tmp_path, "r") == 0  # claimed: nobody plays round 0 again
+    assert lk.finish_commits(tmp_path, "rounds", "r") == [0]
+    assert lk.query(tmp_path, "SELECT count(*) AS n FROM games").to_pylist() == [{"n": 2}]
+    assert lk.finish_commits(tmp_path, "rounds", "r") == []
+
+
+def test_time_travel_reads_the_versions_a_batch_recorded(tmp_path):
+    _round(tmp_path, 0, "a")
+    lk.commit_round(tmp_path, "r", 0, {"attempt": "a", "checkpoint_uid": "base"})
+    then = lk.table_versions(tmp_path)
+    _round(tmp_path, 1, "b")
+    lk.commit_round(tmp_path, "r", 1, {"attempt": "b", "checkpoint_uid": "base"})
+    count = "SELECT count(*) FROM turns"
+    assert lk.connect(tmp_path).sql(count).fetchall() == [(4,)]
+    assert lk.connect(tmp_path, versions=then).sql(count).fetchall() == [(2,)]
+
+
+def test_migrate_keeps_every_row(tmp_path):
+    """A lake in the old format (markers found by listing, a killed attempt's files beside the
+    committed ones): migrate commits exactly what the old reader saw, rows and checksums equal."""
+    for attempt in ("dead", "live"):
+        _round(tmp_path, 0, attempt)
+    d = tmp_path / "rounds/run=r/round=0"
+    d.mkdir(parents=True)
+    pq.write_table(lk._as_table("rounds", [{"attempt": "live", "checkpoint_uid": "base"}]), d / "commit.parquet")
+    _round(tmp_path, 1, "x")  # played, never committed
+    sums = migrate(tmp_path)
+    assert sums["games"][0] == 2 and sums["turns"][0] == 2 and sums["rounds"][0] == 1
+    assert lk.query(tmp_path, "SELECT DISTINCT game_id[1:4] AS a FROM games").to_pylist() == [{"a": "live"}]
+    assert migrate(tmp_path) == {}  # nothing left to do
+
+
+def test_readme_column_tables_are_generated_from_the_catalog():
+    text = (ROOT / "lake/README.md").read_text()
+    begin, end = "<!-- tables: generated from unstable_dask/catalog.py -->", "<!-- end of generated tables -->"
+    assert begin in text and end in text, "lake/README.md lost its generated-tables markers"
+    current = text.split(begin, 1)[1].split(end, 1)[0].strip()
+    assert current == catalog.readme_tables().strip(), (
+        "lake/README.md column tables drifted from the catalog: regenerate with "
+        "python -m unstable_dask.catalog > the section between the markers")
