@@ -24,6 +24,7 @@ from deltalake.transaction import AddAction, CommitProperties, Transaction, crea
 from .catalog import TABLES, with_partitions
 
 log = logging.getLogger("unstable_dask.lake")
+_METADATA_RETRIES = 5
 MIXED = "unstable_dask.mixedSchemas"  # table property: some files lack columns of the catalog schema
 
 Lake = Union[str, Path]
@@ -47,14 +48,17 @@ def load(lake: Lake, table: str, version: Optional[int] = None) -> Optional[Delt
 
 
 def _ensure(lake: Lake, table: str) -> DeltaTable:
-    """Create the table (empty, version 0) if absent; a creation race is harmless."""
+    """Create the table (empty, version 0) if absent. Two writers may race to create it: with no
+    commit retries the loser fails (version 0 exists) instead of retrying its creation as a second
+    metaData commit, which would conflict with every commit racing it and could drop properties."""
     dt = load(lake, table)
     if dt is not None:
         return dt
     part = TABLES[table].partition
     try:
         create_table_with_add_actions(table_uri(lake, table), Schema.from_arrow(with_partitions(table)), [],
-                                      mode="ignore", partition_by=["run", part] if part else ["run"])
+                                      mode="error", partition_by=["run", part] if part else ["run"],
+                                      commit_properties=CommitProperties(max_commit_retries=0))
     except Exception:  # noqa: BLE001 - another writer created it first; load() below says
         pass
     dt = load(lake, table)
@@ -89,20 +93,24 @@ def commit(lake: Lake, table: str, rels: list[str], app: Optional[str] = None,
         # Readers then match columns by name in every file (slower), instead of the first file's.
         dt.alter.set_table_properties({MIXED: "true"}, raise_if_not_exists=False)
         dt = load(lake, table)
-    if app is not None and dt.transaction_version(app) is not None:
-        return False
     part = TABLES[table].partition
     props = CommitProperties(custom_metadata=metadata, max_commit_retries=20,
                              app_transactions=[Transaction(app, 1, int(time.time() * 1000))] if app else None)
-    try:
-        dt.create_write_transaction(adds, "append", with_partitions(table), ["run", part] if part else ["run"],
-                                    commit_properties=props)
-    except CommitFailedError:
-        fresh = load(lake, table)
-        if app is not None and fresh is not None and fresh.transaction_version(app) is not None:
-            return False  # a racing writer committed the same app id first
-        raise
-    return True
+    # delta-rs retries plain append conflicts itself; a racing metaData commit (another writer
+    # marking the table mixed) is a conflict it does not retry, so reload and try again here.
+    tries = 0
+    while True:
+        if app is not None and dt.transaction_version(app) is not None:
+            return False  # this partition's commit is in the log already (a retry, or a racing writer)
+        try:
+            dt.create_write_transaction(adds, "append", with_partitions(table), ["run", part] if part else ["run"],
+                                        commit_properties=props)
+            return True
+        except CommitFailedError:
+            tries += 1
+            if tries == _METADATA_RETRIES:
+                raise
+            dt = load(lake, table)
 
 
 def claimed(lake: Lake, table: str, app: str) -> bool:
