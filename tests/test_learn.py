@@ -105,11 +105,20 @@ def test_rounds_played_before_exact_tokens_are_refused(tmp_path):
     """Rounds whose files predate completion_token_ids / group_id / the commit's sampling settings
     cannot be trained on exactly: a clear error naming them, alone or beside newer rounds."""
     import pyarrow.parquet as pq
-    lake = make_lake(tmp_path / "lake", rounds=1, games=12)
-    for table, cols in (("turns", ["completion_token_ids", "group_id"]),
-                        ("rounds", ["temperature", "top_p", "max_new_tokens"])):
-        for f in (lake / table).rglob("*.parquet"):
-            pq.write_table(pq.read_table(f).drop_columns(cols), f)
+
+    from unstable_dask.migrate import migrate
+    # The lake of the time: the same rounds, its files without those columns (nor the commit's
+    # file list), no Delta log; it gets its log the way an upgraded lake does, through migrate.
+    src, lake = make_lake(tmp_path / "src", rounds=1, games=12), tmp_path / "lake"
+    drop = {"turns": ["completion_token_ids", "group_id"],
+            "rounds": ["temperature", "top_p", "max_new_tokens", "files"]}
+    for f in src.rglob("*.parquet"):
+        rel = f.relative_to(src)
+        if "_delta_log" in rel.parts:
+            continue
+        (lake / rel).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pq.ParquetFile(f).read().drop_columns(drop.get(rel.parts[0], [])), lake / rel)
+    migrate(lake)
     message = r"round\(s\) \[1\] of run 't' in lake '.*' were played before the lake recorded exact token ids"
     with pytest.raises(JobError, match=message):
         learn(job_for(lake))
