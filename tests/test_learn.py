@@ -126,3 +126,28 @@ def test_rounds_played_before_exact_tokens_are_refused(tmp_path):
     with pytest.raises(JobError, match=message):
         learn(job_for(lake, window="all"))
     assert learn(job_for(lake)).rounds == [2]
+
+
+def test_preview_at_version_reproduces_the_batch_a_checkpoint_trained_on(tmp_path):
+    """learner_steps records the table versions its batch read; `--preview --at-version` reads
+    the same rows after the lake has moved on (a new round that the current window includes)."""
+    import json
+
+    lake = make_lake(tmp_path / "lake", rounds=1, games=12)
+    job = job_for(lake, window="all")
+    sql_then, preview_then = learn(job, show_sql=True), learn(job, preview=True)
+    learn(job)
+    step = lk.query(lake, "SELECT table_versions, samples FROM learner_steps WHERE update = 0").to_pylist()[0]
+    versions = json.loads(step["table_versions"])
+    assert set(versions) >= {"games", "turns", "rounds"}
+    make_lake(lake, rounds=1, games=12, seed=1, first=2)
+    assert learn(job, preview=True) != preview_then  # the lake moved on: today's batch differs
+    for at in ("ckpt-1", "1"):
+        assert learn(job, preview=True, at_version=at) == preview_then
+        assert learn(job, show_sql=True, at_version=at) == sql_then
+    assert preview_then.endswith(f"({step['samples']} rows)")
+    assert lk.connect(lake, versions=versions).sql("SELECT DISTINCT round FROM turns").fetchall() == [(1,)]
+    with pytest.raises(JobError, match="ckpt-9"):
+        learn(job, preview=True, at_version="ckpt-9")
+    with pytest.raises(JobError, match="--preview or --show-sql"):
+        learn(job, at_version="ckpt-1")

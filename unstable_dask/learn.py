@@ -32,7 +32,6 @@ from .config import Job, JobError
 from .rewards import batch_query, parse_transforms, run_batch_query, window_rounds
 
 
-
 @dataclass
 class Plan:
     run: str
@@ -41,6 +40,10 @@ class Plan:
     parent_uid: str
     parent_adapter: Optional[str]  # absolute dir, None for the base model
     rounds: list[int]
+    # {table: Delta version}: every batch of the iteration reads this one snapshot, and
+    # learner_steps records it, so `learn --preview --at-version <uid>` reads the same rows later.
+    versions: dict[str, int] = field(default_factory=dict)
+    seeds: dict[int, int] = field(default_factory=dict)  # update -> recorded batch seed (replays only)
 
 
 @dataclass
@@ -72,6 +75,7 @@ def plan(job: Job) -> Optional[Plan]:
     lake, run = job.run.lake, job.run.name
     lk.finish_commits(lake, "checkpoints", run)  # an iteration whose learner died mid-commit
     rounds = window_rounds(lake, run, job.learn.window)
+    versions = lk.table_versions(lake)  # taken after the window: the snapshot holds every round of it
     if not rounds:
         raise JobError(f"{job.source}: run '{run}' has no committed round in lake '{lake}'; play a round first")
     ckpts = checkpoint_rows(lake, run)
@@ -80,7 +84,25 @@ def plan(job: Job) -> Optional[Plan]:
         return None
     k = (parent["iteration"] if parent else 0) + 1
     adapter = str(Path(lake) / parent["adapter_path"]) if parent and parent["adapter_path"] else None
-    return Plan(run, k, f"ckpt-{k}", parent["uid"] if parent else "base", adapter, rounds)
+    return Plan(run, k, f"ckpt-{k}", parent["uid"] if parent else "base", adapter, rounds, versions)
+
+
+def recorded_plan(job: Job, at: str) -> Plan:
+    """The plan of an iteration already trained (`at`: its checkpoint uid or iteration number),
+    from its learner_steps rows: rounds, batch seeds and the table versions it read."""
+    lake, run = job.run.lake, job.run.name
+    key = "iteration = ?" if at.isdigit() else "checkpoint_uid = ?"
+    rows = lk.read_table(lake, "learner_steps", f"run = ? AND {key}", [run, int(at) if at.isdigit() else at]).to_pylist()
+    if not rows:
+        raise JobError(f"--at-version {at!r}: run '{run}' in lake '{lake}' has no learner iteration with that "
+                       "checkpoint uid or number (see: run sql \"SELECT iteration, uid FROM checkpoints\")")
+    if any(r["table_versions"] is None for r in rows):
+        raise JobError(f"--at-version {at!r}: learner_steps of {rows[0]['checkpoint_uid']} in lake '{lake}' record "
+                       "no table versions (trained before the lake kept them); its batch cannot be pinned")
+    first = min(rows, key=lambda r: r["update"])
+    return Plan(run, first["iteration"], first["checkpoint_uid"], "", None, list(first["rounds"]),
+                {t: int(v) for t, v in json.loads(first["table_versions"]).items() if v is not None},
+                {int(r["update"]): int(r["batch_seed"]) for r in rows})
 
 
 def batch_seed(job: Job, iteration: int, update: int) -> int:
@@ -89,14 +111,15 @@ def batch_seed(job: Job, iteration: int, update: int) -> int:
 
 
 def build_query(job: Job, p: Plan, update: int = 0, con=None) -> str:
+    """The batch query of one update: the job's transforms, the plan's window and seed."""
     cfg = job.learn
     final = parse_transforms(cfg.final_transforms, "final", con)
     step = parse_transforms(cfg.step_transforms, "step", con)
     spec = algorithms.spec(cfg.algorithm)
     # Sampling transforms on the rewards here, or by the update on its own advantages (A2C).
     sampling = parse_transforms(cfg.sampling_transforms, "sampling", con) if spec.sampling_on == "rewards" else []
-    return batch_query(p.run, p.rounds, cfg.batch_size, batch_seed(job, p.iteration, update),
-                       final, step, sampling, unit=spec.unit)
+    seed = p.seeds[update] if update in p.seeds else batch_seed(job, p.iteration, update)
+    return batch_query(p.run, p.rounds, cfg.batch_size, seed, final, step, sampling, unit=spec.unit)
 
 
 def check_exact_tokens(con: duckdb.DuckDBPyConnection, job: Job, p: Plan) -> None:
@@ -125,22 +148,27 @@ def resolve_device(job: Job) -> str:
     return "cuda" if task_resources(job.cluster) or visible_gpus() else "cpu"
 
 
-def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None) -> Union[LearnResult, str]:
+def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None,
+          at_version: Optional[str] = None, update: int = 0) -> Union[LearnResult, str]:
     """Train the next checkpoint of job.run.name on its sampling window (the Python twin of `run learn`).
 
-    show_sql: return the exact batch query of the first update; preview: return the batch as text.
+    show_sql: return the exact batch query of update `update`; preview: return the batch as text.
+    at_version (a trained checkpoint's uid or iteration, with show_sql / preview): the batch that
+    iteration trained on, read from the table versions it recorded.
     On a GPU cluster the update runs as a Dask task on a GPU=1 worker (`client`, or one opened
     from job.cluster); otherwise in this process.
     """
-    p = plan(job)
+    if at_version is not None and not (show_sql or preview):
+        raise JobError(f"--at-version {at_version!r} shows a batch already trained on: use it with --preview or --show-sql")
+    p = plan(job) if at_version is None else recorded_plan(job, at_version)
     if p is None:
         ck = checkpoint_rows(job.run.lake, job.run.name)[-1]
         if show_sql or preview:
             raise JobError(f"{job.source}: {ck['uid']} already trained on the newest round; nothing to show")
         return LearnResult(job.run.name, ck["iteration"], ck["uid"], ck["adapter_path"], ck["rounds_trained"], skipped=True)
-    con = lk.connect(job.run.lake)
+    con = lk.connect(job.run.lake, versions=p.versions)
     try:
-        sql = build_query(job, p, 0, con)
+        sql = build_query(job, p, update, con)
         if show_sql:
             return sql
         check_exact_tokens(con, job, p)
@@ -182,7 +210,7 @@ def _train(job: Job, p: Plan, device: str) -> LearnResult:
         trainer = Trainer(job, p.parent_adapter, torch.device(device))
         steps = []
         for u in range(job.learn.updates_per_round):
-            con = lk.connect(job.run.lake)
+            con = lk.connect(job.run.lake, versions=p.versions)
             try:
                 sql = build_query(job, p, u, con)
                 batch = run_batch_query(con, sql)
@@ -193,7 +221,8 @@ def _train(job: Job, p: Plan, device: str) -> LearnResult:
                                "(learn.window, or games without learner seats)")
             m = trainer.step(batch)
             m.update(update=u, algorithm=job.learn.algorithm, checkpoint_uid=p.uid, batch_seed=batch_seed(job, p.iteration, u),
-                     rounds=p.rounds, device=device, created_at=lk.now(), **_cuda_memory(device))
+                     rounds=p.rounds, device=device, created_at=lk.now(),
+                     table_versions=json.dumps(p.versions, sort_keys=True), **_cuda_memory(device))
             steps.append(m)
         # Attempt-named, like round files: a learner racing on the same iteration can never
         # replace the adapter or steps of the attempt that committed it.

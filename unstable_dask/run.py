@@ -103,7 +103,7 @@ def cmd_sql(args) -> None:
 def cmd_learn(args) -> None:
     job = _job(args)
     from .learn import learn
-    out = learn(job, show_sql=args.show_sql, preview=args.preview)
+    out = learn(job, show_sql=args.show_sql, preview=args.preview, at_version=args.at_version, update=args.update)
     if isinstance(out, str):  # --show-sql / --preview
         print(out)
         return
@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("learn", "one learner update from the lake; writes a new checkpoint")
     sp.add_argument("--show-sql", action="store_true", help="print the exact sampling query and exit")
     sp.add_argument("--preview", action="store_true", help="show the sampled batch without training")
+    sp.add_argument("--at-version", metavar="CKPT", help="with --preview/--show-sql: the batch a trained checkpoint "
+                    "(uid or iteration) was trained on, read from the lake versions it recorded")
+    sp.add_argument("--update", type=int, default=0, help="which update's batch --preview/--show-sql shows")
     sp = add("rate", "recompute TrueSkill and Bradley-Terry ratings from every committed game")
     sp.add_argument("--full", action="store_true", help="ignore the saved replay state (same result, slower)")
     sp = add("report", "write the HTML report to reports/<run>/index.html")
