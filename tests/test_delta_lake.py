@@ -11,6 +11,7 @@ from unstable_dask import catalog
 from unstable_dask import delta as dl
 from unstable_dask import lake as lk
 from unstable_dask.config import JobError
+from unstable_dask.maintain import checksums, compact, vacuum
 from unstable_dask.migrate import migrate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,6 +117,64 @@ def test_migrate_keeps_every_row(tmp_path):
     assert migrate(tmp_path) == {}  # nothing left to do
 
 
+def test_compact_and_vacuum_change_no_query_result(tmp_path):
+    """Three rounds of 4 task files each, and a round whose files predate most turns columns:
+    compaction leaves one file per round and table, vacuum deletes the replaced files once they
+    are older than the retention, and every table reads the same rows (checksums) throughout."""
+    import duckdb
+    import pyarrow as pa
+
+    for rnd in range(3):
+        _round(tmp_path, rnd, f"a{rnd}", n=4)
+        lk.commit_round(tmp_path, "r", rnd, {"attempt": f"a{rnd}", "checkpoint_uid": "base"})
+    d = tmp_path / "turns/run=r/round=3"
+    d.mkdir(parents=True)
+    for i in range(2):  # the columns of an older lake only
+        pq.write_table(pa.table({"game_id": [f"old-{i}"], "turn": pa.array([0], pa.int32()),
+                                 "pid": pa.array([0], pa.int32()), "completion": ["c"]}), d / f"task-{i:04d}.old.parquet")
+    lk.commit_round(tmp_path, "r", 3, {"attempt": "old", "checkpoint_uid": "base"})
+    before, then = checksums(lk.connect(tmp_path)), lk.table_versions(tmp_path)
+    assert before["turns"][0] == 14 and len(lk.visible_files(tmp_path, "turns")) == 14
+
+    merged = compact(tmp_path, run="r")
+    assert merged["games"] == (12, 3) and merged["turns"] == (14, 4)
+    assert len(lk.visible_files(tmp_path, "turns")) == 4
+    assert checksums(lk.connect(tmp_path)) == before
+    shell = duckdb.connect(str(tmp_path / "lake.duckdb"), read_only=True)  # the duckdb shell's views follow
+    assert shell.sql("SELECT count(*) FROM turns").fetchall() == [(14,)]
+    shell.close()
+
+    assert vacuum(tmp_path, retention_hours=1) == []  # replaced a moment ago: kept for older snapshots
+    assert checksums(lk.connect(tmp_path, versions=then)) == before
+    removed = vacuum(tmp_path, retention_hours=0)
+    assert len(removed) == 26 and not any((tmp_path / p).exists() for p in removed)
+    assert "turns/run=r/round=0/task-0000.a0.parquet" in removed
+    assert checksums(lk.connect(tmp_path)) == before
+    with pytest.raises(JobError, match=r"run=r/round=\d/task-000\d\.a\d\.parquet"):  # the old snapshot's files: named
+        lk.connect(tmp_path, versions=then)
+
+
+def test_lake_commands_migrate_compact_vacuum(tmp_path, capsys):
+    """`run migrate`, `run compact`, `run vacuum` on an old-format lake of two 2-task rounds."""
+    from unstable_dask.run import main
+    for rnd in range(2):
+        _round(tmp_path, rnd, "x")
+        d = tmp_path / f"rounds/run=r/round={rnd}"
+        d.mkdir(parents=True)
+        pq.write_table(lk._as_table("rounds", [{"attempt": "x", "checkpoint_uid": "base"}]).drop_columns(["files"]),
+                       d / "commit.parquet")
+    lake = str(tmp_path)
+    assert main(["migrate", "--lake", lake]) == 0 and "rows and checksums equal" in capsys.readouterr().out
+    assert main(["migrate", "--lake", lake]) == 0 and "nothing to do" in capsys.readouterr().out
+    assert main(["compact", "--lake", lake, "--run", "r"]) == 0
+    assert len(lk.visible_files(tmp_path, "games")) == 2
+    assert main(["vacuum", "--lake", lake, "--retention-hours", "0"]) == 0
+    assert "8 file(s)" in capsys.readouterr().out
+    assert lk.query(tmp_path, "SELECT count(*) AS n FROM turns").to_pylist() == [{"n": 4}]
+    assert main(["migrate", "--lake", str(tmp_path / "nope")]) == 2
+    assert main(["vacuum", "--lake", lake, "--retention-hours", "-1"]) == 2
+
+
 def test_readme_column_tables_are_generated_from_the_catalog():
     text = (ROOT / "lake/README.md").read_text()
     begin, end = "<!-- tables: generated from unstable_dask/catalog.py -->", "<!-- end of generated tables -->"
@@ -124,3 +183,24 @@ def test_readme_column_tables_are_generated_from_the_catalog():
     assert current == catalog.readme_tables().strip(), (
         "lake/README.md column tables drifted from the catalog: regenerate with "
         "python -m unstable_dask.catalog > the section between the markers")
+
+
+@pytest.mark.slow
+def test_loop_compacts_every_k_rounds(tmp_path):
+    """`run.compact_every = 2`: after rounds 0 and 1 the loop merges the run's per-task files, one
+    file per round and table, and the tables read as the rounds wrote them."""
+    from unstable_dask.config import load_job
+    from unstable_dask.loop import loop
+    job = load_job(None, {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),
+                          "run.compact_every": 2, "round.train_games": 4, "round.eval_games": 0,
+                          "round.games_per_task": 1, "model.max_new_tokens": 8, "cluster.n_workers": 1,
+                          "cluster.dashboard": False})
+    loop(job, 1, rate=False)  # round 0: not yet compacted
+    assert len(lk.visible_files(job.run.lake, "games")) == 4
+    loop(job, 2, rate=False)
+    files = lk.visible_files(job.run.lake, "games")
+    assert len(files) == 2 and not any(f.name.startswith("task-") for f in files)  # delta-rs' merged files
+    assert lk.query(job.run.lake, "SELECT round, count(*) AS n FROM games GROUP BY 1 ORDER BY 1").to_pylist() == [
+        {"round": 0, "n": 4}, {"round": 1, "n": 4}]
+    assert lk.query(job.run.lake, "SELECT count(*) AS n FROM turns").to_pylist() == lk.query(
+        job.run.lake, "SELECT sum(num_turns) AS n FROM games").to_pylist()

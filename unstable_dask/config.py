@@ -66,6 +66,8 @@ class RunConfig(_Strict):
     lake: str = "lake"
     reports: str = "reports"
     seed: int = 0
+    # `loop` compacts the run's lake files every this many rounds (0: never; `run compact` by hand)
+    compact_every: int = Field(0, ge=0)
 
 
 class LoraConfig(_Strict):

@@ -24,6 +24,15 @@ def _rate_and_report(job: Job, console: Console) -> None:
     console.print(f"report: {report.report(job)}", highlight=False)
 
 
+def _compact(job: Job, console: Console) -> None:
+    """Merge the run's per-task files so reads stay one file per round and table. A loop killed
+    before this only leaves more files for the next compaction, which takes the whole run."""
+    from .maintain import compact
+    merged = compact(job.run.lake, run=job.run.name)
+    console.print(f"compacted run {job.run.name}: {sum(r for r, _ in merged.values())} files into "
+                  f"{sum(a for _, a in merged.values())}", highlight=False)
+
+
 def round_summary(job: Job, round_: int) -> list[str]:
     """What round `round_` says about learning: per split and opponent of the checkpoint that
     played it, win rate and invalid-move rate with their Wilson 95% intervals (the report's query)."""
@@ -74,3 +83,5 @@ def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = 
                           f"({summary.checkpoint_uid}, {summary.tokens_per_s:.0f} tok/s)", highlight=False)
             for line in round_summary(job, summary.round):
                 console.print(line, highlight=False)
+            if job.run.compact_every and (summary.round + 1) % job.run.compact_every == 0:
+                _compact(job, console)

@@ -17,7 +17,8 @@ import pyarrow.parquet as pq
 
 from . import delta as dl
 from . import lake as lk
-from .catalog import PARTITION, TABLES, VIEWS, data_tables, with_partitions
+from .maintain import checksum_sql, checksums
+from .catalog import PARTITION, TABLES, VIEWS, data_tables
 
 
 @dataclass
@@ -49,19 +50,14 @@ def pending(lake: Union[str, Path]) -> list[Pending]:
     return out
 
 
-def _checksum_sql(table: str, source: str) -> str:
-    cols = ", ".join(f'"{c}"' for c in with_partitions(table).names)
-    return f"SELECT count(*), coalesce(sum(hash(t)::HUGEINT), 0) FROM (SELECT {cols} FROM {source}) t"
-
-
 def _old_view(con: duckdb.DuckDBPyConnection, lake: Path, table: str, todo: list[Pending]) -> str:
-    """What the old reader showed of `table`, as a relation name in `con`."""
+    """What a reader shows of `table` once the pending commits are in (the old reader's files of
+    them, plus what the log commits already: a migration cut short and run again), as a relation."""
+    files = [str(p) for p in lk.visible_files(lake, table)]
     if table in data_tables("rounds") + data_tables("checkpoints"):
-        files = [str(lake.resolve() / table / r) for p in todo for r in p.files.get(table, [])]
+        files += [str(lake.resolve() / table / r) for p in todo for r in p.files.get(table, [])]
     elif TABLES[table].rule == "marker":
-        files = [str(p.marker_file.resolve()) for p in todo if p.marker == table]
-    else:
-        files = [str(p) for p in lk.visible_files(lake, table)]
+        files += [str(p.marker_file.resolve()) for p in todo if p.marker == table]
     name = f"_old_{table}"
     con.execute(f"CREATE VIEW {name} AS {lk.view_sql(table, files, True)}")
     return name
@@ -72,17 +68,20 @@ def migrate(lake: Union[str, Path]) -> dict[str, tuple[int, int]]:
 
     Raises RuntimeError naming the table when rows or checksums differ after the migration."""
     lake = Path(lake)
+    for marker in ("rounds", "checkpoints"):  # a migration killed between a claim and its publish
+        for run_dir in sorted((lake / marker).glob("run=*")):
+            lk.finish_commits(lake, marker, run_dir.name.split("=", 1)[1])
     todo = pending(lake)
     if not todo:
         return {}
     old = duckdb.connect(":memory:")
-    before = {t: old.execute(_checksum_sql(t, _old_view(old, lake, t, todo))).fetchall()[0] for t in VIEWS}
+    before = {t: tuple(int(v) for v in old.execute(checksum_sql(t, _old_view(old, lake, t, todo))).fetchall()[0])
+              for t in VIEWS}
     for p in sorted(todo, key=lambda p: (p.marker, p.run, p.part)):
         lk.claim_and_publish(lake, p.marker, p.run, p.part, p.marker_file, p.files)
-    new = lk.connect(lake)
-    after = {t: new.execute(_checksum_sql(t, t)).fetchall()[0] for t in VIEWS}
+    after = checksums(lk.connect(lake))
     for t in VIEWS:
         if before[t] != after[t]:
             raise RuntimeError(f"migrate: table {t!r} in lake {lake} changed: {before[t][0]} rows before, "
                                f"{after[t][0]} after (checksums {before[t][1]} vs {after[t][1]})")
-    return {t: (int(v[0]), int(v[1])) for t, v in after.items()}
+    return after

@@ -1,7 +1,7 @@
 """Command line: `python -m unstable_dask.run <job> [--job jobs/X.toml] [options]`.
 
-Jobs: round, eval, learn, rate, report, loop, sql, cluster. With no --job the embedded default
-runs (CPU, builtin tiny model, LocalCluster, ./lake, ./reports). User mistakes print one line and
+Jobs: round, eval, learn, rate, report, loop, sql, cluster; lake upkeep: compact, vacuum,
+migrate. With no --job the embedded default runs (CPU, builtin tiny model, LocalCluster, ./lake, ./reports). User mistakes print one line and
 exit with code 2; tracebacks are for bugs.
 """
 from __future__ import annotations
@@ -87,8 +87,7 @@ then open reports/smollm2-learn/index.html (README: "A real model learns on a la
 
 def cmd_sql(args) -> None:
     from . import lake as lk
-    lake = args.lake or (load_job(args.job).run.lake if args.job else "lake")
-    table = lk.query(lake, args.query)
+    table = lk.query(_lake_of(args), args.query)
     if args.format == "csv":
         import pyarrow.csv as pacsv
         pacsv.write_csv(table, sys.stdout.buffer)
@@ -141,6 +140,42 @@ def cmd_loop(args) -> None:
     loop(_job(args), rounds=args.rounds)
 
 
+def _lake_of(args) -> str:
+    return args.lake or (load_job(args.job).run.lake if args.job else "lake")
+
+
+def cmd_compact(args) -> None:
+    from .maintain import compact
+    lake = _lake_of(args)
+    out = compact(lake, run=args.run, target_mb=args.target_mb)
+    _print_table([{"table": t, "files removed": r, "files added": a} for t, (r, a) in out.items()],
+                 title=f"compacted {'run ' + args.run if args.run else 'every run'}")
+    console.print(f"lake: {os.path.abspath(lake)}  (the replaced files stay until `run vacuum`)")
+
+
+def cmd_vacuum(args) -> None:
+    from .maintain import vacuum
+    lake = _lake_of(args)
+    if args.retention_hours < 0:
+        raise JobError(f"--retention-hours: expected a number >= 0, got {args.retention_hours}")
+    removed = vacuum(lake, args.retention_hours)
+    console.print(f"vacuum: {len(removed)} file(s) replaced more than {args.retention_hours:g} h ago removed "
+                  f"from {os.path.abspath(lake)}")
+
+
+def cmd_migrate(args) -> None:
+    from .migrate import migrate
+    lake = _lake_of(args)
+    if not os.path.isdir(lake):
+        raise JobError(f"--lake {lake!r}: no such folder")
+    out = migrate(lake)
+    if not out:
+        console.print(f"migrate: {os.path.abspath(lake)} has no commit outside its Delta log; nothing to do")
+        return
+    _print_table([{"table": t, "rows": n, "checksum": c} for t, (n, c) in out.items()],
+                 title="migrated: rows and checksums equal before and after")
+
+
 def cmd_cluster(args) -> None:
     from . import cluster
     job = _job(args)
@@ -186,11 +221,27 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--job")
     sp.add_argument("--format", choices=["table", "csv", "json"], default="table")
     sp.add_argument("--limit", type=int, default=50, help="rows shown in table format")
+
+    def lake_cmd(name: str, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help)
+        sp.add_argument("--lake", help="lake folder (default: the job's, else ./lake)")
+        sp.add_argument("--job")
+        return sp
+
+    sp = lake_cmd("compact", "merge the small files of a run (or every run): one file per round and table")
+    sp.add_argument("--run", help="only this run (default: every run)")
+    sp.add_argument("--target-mb", type=int, default=128, help="largest file compaction writes")
+    sp = lake_cmd("vacuum", "delete the files compaction replaced, once older than the retention")
+    from .maintain import DEFAULT_RETENTION_HOURS
+    sp.add_argument("--retention-hours", type=float, default=DEFAULT_RETENTION_HOURS,
+                    help="keep replaced files this long (learn --at-version reads older snapshots from them)")
+    lake_cmd("migrate", "give a lake written before the Delta format its commit log (rows and checksums kept)")
     return p
 
 
 COMMANDS = {"round": cmd_round, "eval": lambda a: cmd_round(a, eval_only=True), "learn": cmd_learn,
-            "rate": cmd_rate, "report": cmd_report, "loop": cmd_loop, "sql": cmd_sql, "cluster": cmd_cluster}
+            "rate": cmd_rate, "report": cmd_report, "loop": cmd_loop, "sql": cmd_sql, "cluster": cmd_cluster,
+            "compact": cmd_compact, "vacuum": cmd_vacuum, "migrate": cmd_migrate}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
