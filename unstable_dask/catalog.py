@@ -39,8 +39,8 @@ GAMES = pa.schema([
     _f("game_id", pa.string(), "`<run>-r<round>-<split>-<index>`, deterministic, one per game"),
     _f("split", pa.string(), "`train` (learner data) or `eval` (against fixed opponents)"),
     _f("env_id", pa.string(), "TextArena env id, e.g. `SimpleTak-v0-train`"),
-    _f("seed", pa.int64(), "the env's reset seed; shared by the games of a group"),
-    _f("group_id", pa.string(), "the games of one start state (same env, seed, seats)"),
+    _f("seed", pa.int64(), "the env's reset seed, from (run seed, round, split, group index); shared by a group"),
+    _f("group_id", pa.string(), "`<run>-r<round:04d>-<split>-g<index:05d>`: the games of one start state (see Groups)"),
     _f("num_players", pa.int32(), "seats"),
     _f("num_turns", pa.int32(), "moves played (invalid attempts included)"),
     _f("started_at", pa.timestamp("us", tz="UTC")),
@@ -62,10 +62,10 @@ TURNS = pa.schema([
     _f("group_id", pa.string(), "the game's group (GRPO compares the (group_id, pid) attempts)"),
     _f("observation", pa.string(), "what the env showed the player"),
     _f("prompt", pa.string(), "exact text fed to the model (null for the random agent)"),
-    _f("completion", pa.string(), "raw model output"),
-    _f("action", pa.string(), "what was sent to the env"),
+    _f("completion", pa.string(), "raw model output: completion_token_ids decoded, special tokens skipped"),
+    _f("action", pa.string(), "what was sent to the env (the `\\boxed{}` answer, or the whole completion)"),
     _f("format_ok", pa.bool_(), "a non-empty \\boxed{} answer was found"),
-    _f("invalid_move", pa.bool_(), "the env rejected the move"),
+    _f("invalid_move", pa.bool_(), "the env rejected the move (a resubmission, or the forfeit)"),
     _f("step_info", pa.string(), "the env's step info as JSON"),
     _f("prompt_tokens", pa.int32(), "tokens fed (after left-truncation)"),
     _f("completion_tokens", pa.int32(), "tokens generated"),
@@ -73,7 +73,7 @@ TURNS = pa.schema([
        "the exact ids the engine generated, EOS included when generated (null for `random`)"),
     _f("truncated", pa.bool_(), "generation stopped at max_new_tokens"),
     _f("logprobs", pa.list_(pa.float32()),
-       "behaviour log-prob of each completion token: sampling.sampling_logprobs(logits, T, top_p)"),
+       "behaviour log-prob of each id in completion_token_ids (see Behaviour log-probs)"),
     _f("latency_s", pa.float64(), "wall time of the batched generate call this turn was in"),
 ])
 
@@ -88,7 +88,7 @@ ROUNDS = pa.schema([
     _f("job", pa.string(), "the validated job as JSON"),
     _f("started_at", pa.timestamp("us", tz="UTC")),
     _f("committed_at", pa.timestamp("us", tz="UTC")),
-    _f("files", pa.list_(pa.string()), "the data files this commit makes visible, relative to the lake"),
+    _f("files", pa.list_(pa.string()), "the data files this commit added, relative to the lake (compaction may merge them later)"),
 ])
 
 CHECKPOINTS = pa.schema([
@@ -106,21 +106,25 @@ CHECKPOINTS = pa.schema([
 LEARNER_STEPS = pa.schema([
     _f("update", pa.int32(), "numbers the updates inside an iteration"),
     _f("algorithm", pa.string()), _f("checkpoint_uid", pa.string(), "the checkpoint this update produced"),
-    _f("loss", pa.float64()), _f("pg_loss", pa.float64()), _f("value_loss", pa.float64()),
-    _f("value_mae", pa.float64()), _f("kl", pa.float64()), _f("clip_frac", pa.float64()),
+    _f("loss", pa.float64()), _f("pg_loss", pa.float64()), _f("value_loss", pa.float64(), "A2C's critic"),
+    _f("value_mae", pa.float64(), "A2C's critic"), _f("kl", pa.float64(), "GRPO / GSPO"),
+    _f("clip_frac", pa.float64(), "share of tokens (GSPO: sequences) whose gradient the clip removed"),
     _f("logp_mean", pa.float64()),
-    _f("optimizer_steps", pa.int32(), "optimizer steps the update took; loss terms are their means"),
+    _f("optimizer_steps", pa.int32(), "optimizer steps of the update (GRPO/GSPO: ppo_epochs x mini-batches, else 1); loss terms are their means"),
     _f("grad_norm", pa.float64(), "before clipping"), _f("critic_grad_norm", pa.float64()),
     _f("lr", pa.float64()), _f("critic_lr", pa.float64()),
-    _f("samples", pa.int64(), "batch rows"), _f("tokens", pa.int64()), _f("train_tokens", pa.int64()),
+    _f("samples", pa.int64(), "batch rows"), _f("tokens", pa.int64(), "tokens seen"),
+    _f("train_tokens", pa.int64(), "completion tokens trained"),
     _f("tokens_per_s", pa.float64()), _f("step_time_s", pa.float64()),
-    _f("mean_train_len", pa.float64()), _f("pct_truncated", pa.float64()),
+    _f("mean_train_len", pa.float64(), "mean prompt + completion length"),
+    _f("pct_truncated", pa.float64(), "share of completions cut at max_new_tokens"),
     _f("reward_mean", pa.float64()), _f("step_reward_mean", pa.float64()),
-    _f("advantage_mean", pa.float64()), _f("advantage_std", pa.float64()),
+    _f("advantage_mean", pa.float64(), "the advantages the actor trained on (A2C: its transformed GAE)"),
+    _f("advantage_std", pa.float64()),
     _f("batch_seed", pa.int64(), "the sampling seed (a batch is a pure function of lake, SQL, seed)"),
     _f("rounds", pa.list_(pa.int64()), "the rounds the batch came from"),
     _f("device", pa.string(), "cpu / cuda"),
-    _f("cuda_mem_allocated", pa.int64()), _f("cuda_mem_reserved", pa.int64()), _f("cuda_mem_peak", pa.int64()),
+    _f("cuda_mem_allocated", pa.int64(), "bytes, on GPU only"), _f("cuda_mem_reserved", pa.int64()), _f("cuda_mem_peak", pa.int64()),
     # single-GPU mode: the resident engine sleeps during the update
     _f("engine_sleep_s", pa.float64()), _f("engine_wake_s", pa.float64()), _f("cuda_free_engine_asleep", pa.int64()),
     _f("table_versions", pa.string(),
@@ -130,10 +134,11 @@ LEARNER_STEPS = pa.schema([
 
 RATINGS = pa.schema([
     _f("model_uid", pa.string()), _f("env_id", pa.string(), "`*` = all envs"),
-    _f("mu", pa.float64()), _f("sigma", pa.float64()), _f("conservative", pa.float64(), "mu - 3 sigma"),
+    _f("mu", pa.float64(), "TrueSkill"), _f("sigma", pa.float64()), _f("conservative", pa.float64(), "mu - 3 sigma"),
     _f("games", pa.int64()), _f("wins", pa.int64()), _f("draws", pa.int64()), _f("losses", pa.int64()),
     _f("mirror_games", pa.int64(), "self-play games, not rated"),
-    _f("bt_score", pa.float64()), _f("bt_ci_low", pa.float64()), _f("bt_ci_high", pa.float64()),
+    _f("bt_score", pa.float64(), "Bradley-Terry on the Elo scale, mean 1000"),
+    _f("bt_ci_low", pa.float64(), "95% bootstrap interval"), _f("bt_ci_high", pa.float64()),
     _f("rank", pa.int64(), "1 + models whose BT lower bound is above this upper bound"),
 ])
 RATING_HISTORY = pa.schema([
@@ -228,3 +233,7 @@ def columns_markdown(table: str) -> str:
 
 def readme_tables() -> str:
     return "\n\n".join(columns_markdown(n) for n in TABLES) + "\n"
+
+
+if __name__ == "__main__":  # regenerates the column tables of lake/README.md
+    print(readme_tables(), end="")

@@ -1,14 +1,19 @@
 """The learn job: one SQL query picks a batch, an algorithm updates the LoRA adapter, the lake
 gets a new checkpoint.
 
-Order of writes (the checkpoints row is the commit; every name carries this attempt's id):
+Every batch of an iteration reads one snapshot of the lake (the Delta table versions taken when
+the iteration is planned); learner_steps records those versions, so `learn --preview --at-version
+<ckpt>` shows the very batch a checkpoint trained on.
+
+Order of writes (every name carries this attempt's id):
   1. adapter (+ optimizer state, + critic for A2C) to <lake>/adapters/<run>/ckpt-<k>.<attempt>/
      via a temp dir
-  2. learner_steps of iteration k, steps.<attempt>.parquet (invisible until 3 names the attempt)
-  3. the checkpoints row of iteration k, created exclusively
-A learn job killed anywhere before 3 leaves nothing visible and is simply run again; two racing
-learners cannot both commit iteration k. A learn job for a round already trained on (the newest
-checkpoint lists it) does nothing.
+  2. learner_steps of iteration k, steps.<attempt>.parquet (a file no commit names yet)
+  3. the commit of iteration k (lake.commit_marker): claim `<run>/iteration=<k>` in the
+     checkpoints log, add the steps file to learner_steps, publish the checkpoints row
+A learn job killed before 3 leaves nothing visible and is simply run again (one killed inside 3
+is finished by the next `plan`); two racing learners cannot both claim iteration k. A learn job
+for a round already trained on (the newest checkpoint lists it) does nothing.
 """
 from __future__ import annotations
 
