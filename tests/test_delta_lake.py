@@ -91,6 +91,29 @@ def test_a_commit_killed_after_its_claim_is_finished(tmp_path):
     assert lk.finish_commits(tmp_path, "rounds", "r") == []
 
 
+def test_a_commit_landing_while_a_reader_loads_its_snapshot_shows_all_or_nothing(tmp_path, monkeypatch):
+    """Another driver commits round 1 while a reader is between loading one table's log and the
+    next: the reader shows round 1 whole (games, turns and its rounds row) or not at all."""
+    _round(tmp_path, 0, "a")
+    lk.commit_round(tmp_path, "r", 0, {"attempt": "a", "checkpoint_uid": "base"})
+    _round(tmp_path, 1, "b")
+    real, landed = dl.snapshot, []
+
+    def snapshot(lake, table, version=None):
+        out = real(lake, table, version)
+        if not landed:  # right after the reader's first table: the commit lands
+            landed.append(table)
+            lk.commit_round(tmp_path, "r", 1, {"attempt": "b", "checkpoint_uid": "base"})
+        return out
+
+    monkeypatch.setattr(dl, "snapshot", snapshot)
+    con = lk.connect(tmp_path)
+    assert landed
+    rounds = con.sql("SELECT round FROM rounds ORDER BY 1").fetchall()
+    for table in ("games", "turns"):
+        assert con.sql(f"SELECT DISTINCT round FROM {table} ORDER BY 1").fetchall() == rounds, table
+
+
 def test_time_travel_reads_the_versions_a_batch_recorded(tmp_path):
     _round(tmp_path, 0, "a")
     lk.commit_round(tmp_path, "r", 0, {"attempt": "a", "checkpoint_uid": "base"})

@@ -172,11 +172,3 @@ def vacuum(lake: Lake, table: str, retention_hours: float) -> list[str]:
     if dt is None:
         return []
     return dt.vacuum(retention_hours=int(retention_hours), dry_run=False, enforce_retention_duration=False)
-
-
-def versions(lake: Lake, tables: tuple[str, ...]) -> dict[str, Optional[int]]:
-    out = {}
-    for t in tables:
-        dt = load(lake, t)
-        out[t] = dt.version() if dt is not None else None
-    return out

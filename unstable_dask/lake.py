@@ -251,6 +251,12 @@ def _replace_files(lake: Lake, table: str) -> list[str]:
     return sorted(str(p) for p in root.glob("run=*/*.parquet") if not p.name.startswith(".") and is_whole_parquet(p))
 
 
+# Marker tables are read before data tables: a commit applies data files before it publishes the
+# marker, so a marker row seen here has all its data files in the data snapshots read after it.
+# (Read the other way round, a commit landing in between would show a round without its games.)
+READ_ORDER = tuple(sorted(DELTA_TABLES, key=lambda t: TABLES[t].rule != "marker"))
+
+
 def snapshot_files(lake: Lake, versions: Optional[dict[str, int]] = None) -> dict[str, tuple[list[str], bool, Optional[int]]]:
     """table -> (absolute paths of its committed files, files differ in columns, Delta version).
 
@@ -258,7 +264,7 @@ def snapshot_files(lake: Lake, versions: Optional[dict[str, int]] = None) -> dic
     tables as of those versions (time travel), the others as of now."""
     versions = versions or {}
     root = Path(lake).resolve()
-    snaps = {t: dl.snapshot(lake, t, versions.get(t)) for t in DELTA_TABLES}
+    snaps = {t: dl.snapshot(lake, t, versions.get(t)) for t in READ_ORDER}
     out = {}
     for t, s in snaps.items():
         keep = range(len(s.paths))
@@ -344,7 +350,7 @@ def view_sql(table: str, files: list[str], mixed: bool) -> str:
 
 def table_versions(lake: Lake) -> dict[str, Optional[int]]:
     """The Delta version of every Delta table now: what a reader of the lake sees."""
-    return {t: dl.snapshot(lake, t).version for t in DELTA_TABLES}
+    return {t: dl.snapshot(lake, t).version for t in READ_ORDER}
 
 
 def connect(lake: Lake = "lake", read_only: bool = True,
