@@ -56,7 +56,11 @@ def _as_table(table: str, data: Union[pa.Table, list[dict]]) -> pa.Table:
     schema = SCHEMAS.get(table)
     if isinstance(data, list):
         return pa.Table.from_pylist(data, schema=schema) if schema is not None else pa.Table.from_pylist(data)
-    return data.select(schema.names).cast(schema) if schema is not None else data
+    if schema is None:
+        return data
+    # cast() takes the catalog schema's (empty) metadata: keep the caller's table-level metadata
+    # (ratings_state records the rounds and parameters of its replay there).
+    return data.select(schema.names).cast(schema).replace_schema_metadata(data.schema.metadata)
 
 
 def _write_file(lake: Lake, table: str, run: str, part: Optional[int], key: str, data: pa.Table) -> Path:
