@@ -271,7 +271,9 @@ def snapshot_files(lake: Lake, versions: Optional[dict[str, int]] = None) -> dic
     snaps = {t: dl.snapshot(lake, t, versions.get(t)) for t in READ_ORDER}
     out = {}
     for t, s in snaps.items():
-        keep = range(len(s.paths))
+        # The log keeps no useful order; readers get (run, round/iteration, name) order, the
+        # order a table scan without ORDER BY returns rows in, so that it is stable.
+        keep = sorted(range(len(s.paths)), key=lambda i: (s.runs[i], s.parts[i] if s.parts[i] is not None else -1, s.paths[i]))
         marker = TABLES[t].marker
         if marker is not None:
             published = set(zip(snaps[marker].runs, snaps[marker].parts))
