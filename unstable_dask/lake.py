@@ -232,12 +232,14 @@ def commit_round(lake: Lake, run: str, round_: int, row: dict) -> Path:
 
 
 def remove_other_attempts(lake: Lake, marker: str, run: str, part: int, attempt: str) -> int:
-    """After a commit: delete files other attempts left behind (no commit names them)."""
+    """After a commit: delete files other attempts left behind (no commit names them), and temp
+    files of writers killed mid-write: once the partition is committed none can ever count."""
     removed = 0
     for table in data_tables(marker):
         d = table_dir(lake, table, run, part)
-        for p in d.glob("*.parquet") if d.is_dir() else []:
-            if attempt_of(p) != attempt:
+        for p in d.iterdir() if d.is_dir() else []:
+            stale_tmp = p.name.startswith(".") and p.name.endswith(".tmp")
+            if stale_tmp or (p.suffix == ".parquet" and attempt_of(p) != attempt):
                 p.unlink(missing_ok=True)
                 removed += 1
     return removed
