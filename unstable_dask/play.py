@@ -154,7 +154,8 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
             if seat.endpoint is not None:
                 # The endpoint applies its own chat template: the prompt is the user message of the
                 # `chat` template, sent and stored as is.
-                remote[seat.endpoint].append((g, pid, render_prompt("chat", obs, lambda text: text), seat.model_uid, base_row))
+                prompt = render_prompt("chat", obs, lambda text: text)
+                remote[seat.endpoint].append((g, pid, prompt, seat.model_uid, base_row))
                 continue
             prompt = render_prompt(g.spec.template, obs, engine.chat_prompt)
             requests[seat.adapter].append((g, pid, prompt, seat.model_uid, base_row))
