@@ -197,3 +197,46 @@ def test_a_round_that_seats_an_endpoint_needs_its_key_and_writes_nothing_without
                                        r"that environment variable is not set"):
         play_round(job, client=object())  # refused before any cluster is used
     assert not (tmp_path / "lake").exists()
+
+
+def _no_move(n: int, body: dict) -> tuple[int, float, dict]:
+    return 200, 0.0, completion(body, "I pass.")  # not a KuhnPoker move: the endpoint keeps the turn
+
+
+@pytest.mark.parametrize("stub", [_no_move], indirect=True)
+def test_a_round_whose_server_dies_mid_round_still_commits_with_the_failed_turns(tmp_path, stub, monkeypatch):
+    """The stub stands in for the server test_endpoints_vllm.py kills; here it runs without vLLM."""
+    from distributed import Client
+
+    from unstable_dask import lake as lk
+    from unstable_dask import round as round_mod
+    real = round_mod.play_task
+
+    def play_then_stop(task, model_cfg, round_cfg, lake, progress, endpoints):
+        steps = []
+
+        def after_step(games: int, tokens: int) -> None:
+            steps.append(games)
+            if len(steps) == 2:  # two steps answered, then the server is gone: connections refused
+                stub.shutdown()
+                stub.server_close()
+            progress(games, tokens)
+        return real(task, model_cfg, round_cfg, lake, after_step, endpoints)
+
+    monkeypatch.setattr(round_mod, "play_task", play_then_stop)  # the in-process worker calls this
+    stub_endpoint = {"base_url": stub.url, "model": MODEL, "max_retries": 1}
+    job = load_job("jobs/demo.toml", {
+        "run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),
+        "endpoints": {"stub": stub_endpoint}, "model.max_new_tokens": 4, "round.train_games": 0,
+        "round.eval_games": 2, "round.error_allowance": 4,
+        "round.eval_envs": [{"env_id": "KuhnPoker-v0-train", "num_actors": 1, "opponents": ["stub"]}]})
+    with Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=None) as client:
+        s = round_mod.play_round(job, client=client)
+    assert s.games == 2 and lk.last_committed_round(job.run.lake, job.run.name) == 0
+    sql = "SELECT * FROM turns WHERE model_uid = ? ORDER BY game_id, turn"
+    turns = lk.query(job.run.lake, sql, [MODEL]).to_pylist()
+    answered = [t for t in turns if t["error"] is None]
+    failed = [t for t in turns if t["error"] is not None]
+    assert answered and all(t["completion"] == "I pass." for t in answered)
+    assert failed and all(t["error"].startswith("APIConnectionError") and t["completion"] is None
+                          and t["action"] == "" and t["invalid_move"] for t in failed)
