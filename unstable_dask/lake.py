@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 SEAT = pa.struct([
     ("pid", pa.int32()),
-    ("model_uid", pa.string()),  # checkpoint uid, "base", "random", or a fixed opponent's name
+    ("model_uid", pa.string()),  # checkpoint uid, "base", "random", an adapter dir's name, an endpoint's model id
     ("is_learner", pa.bool_()),  # seat played by the checkpoint this round trains/evaluates
     ("role", pa.string()),
     ("reward", pa.float64()),  # final reward from the env
@@ -76,7 +76,8 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("truncated", pa.bool_()),  # generation stopped at max_new_tokens
         # behaviour log-prob of each completion token: sampling.sampling_logprobs(logits, T, top_p)
         ("logprobs", pa.list_(pa.float32())),
-        ("latency_s", pa.float64()),  # wall time of the batched generate call this turn was in
+        ("latency_s", pa.float64()),  # wall time of the batched generate call this turn was in (endpoints: its request)
+        ("error", pa.string()),  # why an endpoint request finally failed (completion null); null otherwise
     ]),
     "rounds": pa.schema([
         ("attempt", pa.string()),  # the driver attempt whose files are the round's data
