@@ -55,8 +55,8 @@ turns_ AS (
     FROM turns t JOIN games_ g USING (run, round, game_id) WHERE t.is_learner AND t.prompt IS NOT NULL),
 by_seat AS (
     SELECT run, round, split, CASE WHEN grouping(opponent) = 1 THEN '*' ELSE opponent END AS opponent,
-           count(DISTINCT game_id) AS games, count(*) AS seats, sum(win) AS wins, sum(draw) AS draws,
-           count(*) - sum(win) - sum(draw) AS losses, (sum(win) + 0.5 * sum(draw)) / count(*) AS win_rate,
+           count(DISTINCT game_id) AS games, count(*) AS seats, sum(win)::BIGINT AS wins,  -- sum() is HUGEINT: Decimal in Python
+           sum(draw)::BIGINT AS draws, (count(*) - sum(win) - sum(draw))::BIGINT AS losses, (sum(win) + 0.5 * sum(draw)) / count(*) AS win_rate,
            avg(reward) AS mean_reward, avg(num_turns) AS game_length
     FROM seats_ GROUP BY GROUPING SETS ((run, round, split, opponent), (run, round, split))),
 by_turn AS (
