@@ -15,7 +15,7 @@ from rich.console import Console
 from . import lake as lk, ratings, report
 from .cluster import open_client
 from .config import Job, JobError
-from .learn import learn, plan
+from .learn import check_quantization, learn, plan, resolve_device
 
 
 def _rate_and_report(job: Job, console: Console) -> None:
@@ -55,6 +55,7 @@ def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = 
     if rounds < 1:
         raise JobError(f"{job.source}: --rounds must be >= 1, got {rounds}")
     console = console or Console(stderr=True)
+    check_quantization(job, resolve_device(job))  # before the first round, not at the first update
     lake, run = job.run.lake, job.run.name
     results = []
     with open_client(job.cluster) as client:  # one cluster for the whole loop: engines stay resident
