@@ -66,6 +66,17 @@ class RunConfig(_Strict):
     lake: str = "lake"
     reports: str = "reports"
     seed: int = 0
+    # Experiment trackers the lake is mirrored to (trackers.py) after each commit and by `run track`.
+    trackers: list[Literal["wandb", "mlflow"]] = []
+
+    @field_validator("trackers")
+    @classmethod
+    def _installed(cls, v: list[str]) -> list[str]:
+        import importlib.util
+        missing = [t for t in dict.fromkeys(v) if importlib.util.find_spec(t) is None]
+        if missing:
+            raise ValueError(f"{' and '.join(missing)} is not installed: pip install 'unstable-dask[trackers]'")
+        return v
 
 
 class LoraConfig(_Strict):
