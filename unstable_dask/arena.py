@@ -89,7 +89,8 @@ def matrices(board: list[dict], pairs: list[dict]) -> Optional[dict[str, Any]]:
             n = 0 if p is None else p["battles"]
             cells.append({"b": b, "diagonal": a == b, "win_fraction": w, "battles": n,
                           "games": 0 if p is None else p["games"], "draws": 0 if p is None else p["draws"],
-                          "win_color": None if w is None else rdbu(w), "count_color": _blues(n, most)})
+                          "win_color": None if w is None else rdbu(w), "count_color": _blues(n, most),
+                          "dark": w is not None and abs(w - 0.5) > 0.35})  # white text on the deep colours
         rows.append({"model": a, "cells": cells})
     return {"models": models, "rows": rows, "omitted": len(rated) - len(models)}
 
