@@ -32,7 +32,7 @@ import struct
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 from . import lake as lk, report
 from .config import Job, JobError
@@ -40,7 +40,6 @@ from .config import Job, JobError
 PROJECT = "unstable_dask"
 TAG = "unstable_dask.run"
 SERIES = {"round": "round/", "rated_round": "rating/", "learner_step": "learner/"}  # step key -> key prefix
-EXTRA = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker -> the module it needs
 ROUND_COLUMNS = ("games", "wins", "draws", "losses", "win_rate", "win_rate_low", "win_rate_high", "turns",
                  "format_success", "invalid_rate", "invalid_rate_low", "invalid_rate_high",
                  "mean_completion_tokens", "mean_reward", "game_length")
@@ -56,7 +55,7 @@ def _clean(row: dict) -> dict:
             and math.isfinite(v)}
 
 
-def lake_series(lake_dir, run: str) -> dict[str, list[dict]]:
+def lake_series(lake_dir: Union[str, Path], run: str) -> dict[str, list[dict]]:
     """The rows a tracker mirrors, per series, in step order; each row holds its step key."""
     con = lk.connect(lake_dir)
     try:
