@@ -78,6 +78,17 @@ class RunConfig(_Strict):
     lake: str = "lake"
     reports: str = "reports"
     seed: int = 0
+    # Experiment trackers the lake is mirrored to (trackers.py) after each commit and by `run track`.
+    trackers: list[Literal["wandb", "mlflow"]] = []
+
+    @field_validator("trackers")
+    @classmethod
+    def _installed(cls, v: list[str]) -> list[str]:
+        import importlib.util
+        missing = [t for t in dict.fromkeys(v) if importlib.util.find_spec(t) is None]
+        if missing:
+            raise ValueError(f"{' and '.join(missing)} is not installed: pip install 'unstable-dask[trackers]'")
+        return v
 
 
 class LoraConfig(_Strict):
@@ -244,6 +255,17 @@ class LearnConfig(_Strict):
     kl_coef: float = Field(0.0, ge=0.0)
     gradient_checkpointing: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # QLoRA: the frozen base loaded in 4 bit (NF4) or 8 bit through bitsandbytes, CUDA only; the
+    # adapters stay standard peft LoRA (served by vLLM on the unquantized base).
+    quantization: Literal["none", "4bit", "8bit"] = "none"  # declared after device, which it is checked against
+
+    @field_validator("quantization")
+    @classmethod
+    def _cuda_only(cls, v: str, info: ValidationInfo) -> str:
+        if v != "none" and info.data.get("device") == "cpu":
+            raise ValueError("4/8-bit learners need a CUDA GPU (bitsandbytes) and learn.device is 'cpu'; "
+                             "use 'none' on CPU")
+        return v
     # Reward transforms, as built-in names with arguments (e.g. "RewardForFormat(1.5)") or raw SQL.
     # Left out, final and sampling transforms are the algorithm's defaults (its SPEC); listed, exactly those.
     final_transforms: Optional[list[str]] = None

@@ -12,16 +12,30 @@ from typing import Optional
 
 from rich.console import Console
 
-from . import lake as lk, ratings, report
+from . import lake as lk, ratings, report, trackers
 from .cluster import open_client
 from .config import Job, JobError
-from .learn import learn, plan
+from .learn import check_quantization, learn, plan, resolve_device
 
 
 def _rate_and_report(job: Job, console: Console) -> None:
     """Both only read the lake; a failure here never loses a round or a checkpoint."""
     console.print(str(ratings.rate(job)), highlight=False)
     console.print(f"report: {report.report(job)}", highlight=False)
+
+
+def _track(job: Job, console: Console) -> None:
+    """Mirror the lake's new rows to the job's trackers (trackers.py)."""
+    if not job.run.trackers:
+        return
+    try:
+        logged = trackers.sync(job)
+    except Exception as e:  # noqa: BLE001 -- a tracker outage must not stop training: the lake holds
+        # everything, and `run track` (or the next sync) logs what this one missed, once.
+        console.print(f"trackers: sync failed ({type(e).__name__}: {e}); the lake is intact, "
+                      "run `python -m unstable_dask.run track` later", highlight=False)
+        return
+    console.print("trackers: " + ", ".join(f"{k} +{n} rows" for k, n in logged.items()), highlight=False)
 
 
 def round_summary(job: Job, round_: int) -> list[str]:
@@ -55,6 +69,7 @@ def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = 
     if rounds < 1:
         raise JobError(f"{job.source}: --rounds must be >= 1, got {rounds}")
     console = console or Console(stderr=True)
+    check_quantization(job, resolve_device(job))  # before the first round, not at the first update
     lake, run = job.run.lake, job.run.name
     results = []
     with open_client(job.cluster) as client:  # one cluster for the whole loop: engines stay resident
@@ -66,6 +81,7 @@ def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = 
                 results.append(res)
                 if rate:
                     _rate_and_report(job, console)
+                _track(job, console)
             played = 0 if last is None else last + 1
             if played >= rounds:
                 return results
@@ -74,3 +90,4 @@ def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = 
                           f"({summary.checkpoint_uid}, {summary.tokens_per_s:.0f} tok/s)", highlight=False)
             for line in round_summary(job, summary.round):
                 console.print(line, highlight=False)
+            _track(job, console)
