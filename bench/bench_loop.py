@@ -182,7 +182,7 @@ def main() -> None:
               "worker_cpu_s_per_token": cpu_per_token, "driver_cores_busy": driver, "runs": sides,
               "load_average_1m": statistics.median(f["load_1m"] for f in sides["loop"])}
     path = save("loop", result)
-    print(row("round 1 (ckpt-1), same games and seeds, played at the same time", "tok/s (median)", "ratio (median)"))
+    print(row("round 1 (ckpt-1), same games and seeds, played one after the other", "tok/s (median)", "ratio (median)"))
     print(row("---", "---", "---"))
     print(row("`round` alone in a fresh process (baseline)", f"{med['alone']:.1f}", "1.00"))
     print(row("inside `loop`, right after the learner update", f"{med['loop']:.1f}", f"{ratio:.2f} (target >= 0.95)"))
