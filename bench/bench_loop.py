@@ -10,12 +10,13 @@ base model) and runs two fresh processes:
   A  `run round` on a copy of L's lake taken as soon as ckpt-1 is committed: the same round (same
      checkpoint files, game ids, seeds and sampling seeds), played with nothing before it.
 
-A starts while L rates and reports, so the two rounds play AT THE SAME TIME: whatever else runs on
-the machine (other users, other jobs) slows both alike, and each side gets the other as equal
-competition. Tokens/s of a round = its completion tokens / (last game finished - first game
-started), from the lake (the issue's definition); the figure is the median over repeats of the
-per-repeat ratio L / A. Per-process CPU seconds during each round (driver, worker; from /proc)
-say where the time went.
+A runs after L has stopped, never beside it: two engine workers of 2 OpenMP threads each on a
+2-core machine spin at each other's barriers, and both rounds then took over 12 min for 8 games
+(a first version of this bench ran them side by side). Load from elsewhere is recorded (load
+average) rather than cancelled. Tokens/s of a round = its completion tokens / (last game finished
+- first game started), from the lake (the issue's definition); the figure is the median over
+repeats of the per-repeat ratio L / A. Per-process CPU seconds during each round (driver, worker;
+from /proc) say where the time went.
 
     python bench/bench_loop.py [--train-games 6] [--eval-games 2] [--repeats 3]
 """
@@ -152,10 +153,10 @@ def main() -> None:
         loop_proc, loop_cpu = start_cli(["loop", "--rounds", "2", *job], lake_l, over)
         wait_for(lake_l / "checkpoints" / f"run={RUN}" / "iteration=1" / "checkpoint.parquet", loop_proc, "loop")
         without_round(lake_l, lake_a, 1)
-        alone = start_cli(["round", *job], lake_a, over)
         wait_for(lake_l / "rounds" / f"run={RUN}" / "round=1" / "commit.parquet", loop_proc, "loop")
         loop_proc.send_signal(signal.SIGINT)  # round 1 is in: its learner update is not part of the figure
         finish(loop_proc, loop_cpu, "loop", check=False)
+        alone = start_cli(["round", *job], lake_a, over)
         finish(*alone, "round")
         load = (load + os.getloadavg()[0]) / 2
         for name, lake, cpu in (("loop", lake_l, loop_cpu), ("alone", lake_a, alone[1])):
@@ -181,7 +182,7 @@ def main() -> None:
               "worker_cpu_s_per_token": cpu_per_token, "driver_cores_busy": driver, "runs": sides,
               "load_average_1m": statistics.median(f["load_1m"] for f in sides["loop"])}
     path = save("loop", result)
-    print(row("round 1 (ckpt-1), same games and seeds, played at the same time", "tok/s (median)", "ratio (median)"))
+    print(row("round 1 (ckpt-1), same games and seeds, played one after the other", "tok/s (median)", "ratio (median)"))
     print(row("---", "---", "---"))
     print(row("`round` alone in a fresh process (baseline)", f"{med['alone']:.1f}", "1.00"))
     print(row("inside `loop`, right after the learner update", f"{med['loop']:.1f}", f"{ratio:.2f} (target >= 0.95)"))

@@ -56,7 +56,7 @@ def write_lake(root: Path, turns: int, rounds: int = 20, turns_per_game: int = 1
                       "prompt_tokens": np.full(n, 200, np.int32), "completion_tokens": np.full(n, 30, np.int32),
                       "completion_token_ids": pa.array([list(range(30))] * n, pa.list_(pa.int32())),
                       "truncated": np.zeros(n, bool), "logprobs": pa.array([[-1.0] * 30] * n, pa.list_(pa.float32())),
-                      "latency_s": np.zeros(n)})
+                      "latency_s": np.zeros(n), "error": pa.nulls(n, pa.string())})
         lk.write_table(root, "games", RUN, r, "task0", g)
         lk.write_table(root, "turns", RUN, r, "task0", t)
         lk.commit_round(root, RUN, r, dict(checkpoint_uid="ckpt", games=games, temperature=1.0, top_p=1.0,

@@ -103,7 +103,7 @@ def make_run(lake_dir: Path, run: str = "syn", rounds: int = 3, games_per_round:
     if hostile:  # a hostile model name, too
         strength[HOSTILE[1]] = 0.3
     for k, uid in enumerate(uids):
-        steps = [{"iteration": k, "step": s, "loss": 1.0 / (k + s + 1), "grad_norm": 0.1 * s, "lr": 1e-5,
+        steps = [{"iteration": k, "step": s, "update": s, "loss": 1.0 / (k + s + 1), "grad_norm": 0.1 * s, "lr": 1e-5,
                   "reward_mean": 0.1 * k, "tokens_per_s": 1000.0 + s, "cuda_mem_allocated": None} for s in range(3)]
         write_checkpoint(lake_dir, run, k, uid, uids[k - 1] if k else None, steps if k else None)
     for r, uid in enumerate(uids):

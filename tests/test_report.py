@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -28,6 +30,24 @@ def chromium_or_skip() -> str:
     if os.environ.get("CI") == "true":
         pytest.fail(f"report browser test needs a browser: {msg}")
     pytest.skip(msg)
+
+
+@contextmanager
+def opened(path: Path) -> Iterator[tuple[Any, list[str]]]:
+    """The page at `path` in headless Chromium, and the console errors and warnings it logs."""
+    exe = chromium_or_skip()
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=ARGS)
+        try:
+            pg = browser.new_page()
+            errors: list[str] = []
+            pg.on("console", lambda m: errors.append(m.text) if m.type in ("error", "warning") else None)
+            pg.goto(path.resolve().as_uri())
+            pg.wait_for_load_state("load")
+            yield pg, errors
+        finally:
+            browser.close()
 
 
 @pytest.fixture(scope="module")
@@ -144,32 +164,21 @@ def test_learning_curves_show_the_lakes_numbers(tmp_path: Path, local_client) ->
         lo, hi = _wilson(inv, len(ev))
         tips[("eval", r)] = f"{inv:.6g} (95% CI {lo:.6g} .. {hi:.6g})"
 
-    exe = chromium_or_skip()
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=exe, args=ARGS)
-        try:
-            pg = browser.new_page()
-            errors: list[str] = []
-            pg.on("console", lambda m: errors.append(m.text) if m.type in ("error", "warning") else None)
-            pg.goto(page.resolve().as_uri())
-            pg.wait_for_load_state("load")
-            captions = pg.locator("#curves figcaption").all_inner_texts()
-            assert len(captions) == 5, captions  # win rate, invalid moves, format, length, TrueSkill
-            win = pg.locator("#curves figure", has_text="Eval win rate")
-            assert win.locator("polyline").count() == 1 and win.locator("polygon").count() == 1  # the line and its CI band
-            shown = win.locator("circle title").all_text_contents()
-            assert shown == [f"vs random: {tips[('vs random', r)]} at {r}" for r in (0, 1)]
-            invalid = pg.locator("#curves figure", has_text="Invalid-move rate").locator("circle title").all_text_contents()
-            assert [f"eval: {tips[('eval', r)]} at {r}" for r in (0, 1)] == [t for t in invalid if t.startswith("eval")]
-            # The table has a row per round, split and opponent of the checkpoint that played it.
-            rows = pg.locator("#curves-table tbody tr").all_inner_texts()
-            assert any(r.startswith("1\tckpt-1\teval\trandom") for r in rows), rows
-            mu = pg.locator("#curves figure", has_text="TrueSkill").locator("circle title").all_text_contents()
-            assert len(mu) == 4  # mu and conservative, two rounds
-            # The learner charts are curves, not counters.
-            learner = pg.locator("#learner figcaption").all_inner_texts()
-            assert learner and not [c for c in learner if c.split()[0] in ("update", "batch_seed")]
-            assert errors == []
-        finally:
-            browser.close()
+    with opened(page) as (pg, errors):
+        captions = pg.locator("#curves figcaption").all_inner_texts()
+        assert len(captions) == 5, captions  # win rate, invalid moves, format, length, TrueSkill
+        win = pg.locator("#curves figure", has_text="Eval win rate")
+        assert win.locator("polyline").count() == 1 and win.locator("polygon").count() == 1  # the line and its CI band
+        shown = win.locator("circle title").all_text_contents()
+        assert shown == [f"vs random: {tips[('vs random', r)]} at {r}" for r in (0, 1)]
+        invalid = pg.locator("#curves figure", has_text="Invalid-move rate").locator("circle title").all_text_contents()
+        assert [f"eval: {tips[('eval', r)]} at {r}" for r in (0, 1)] == [t for t in invalid if t.startswith("eval")]
+        # The table has a row per round, split and opponent of the checkpoint that played it.
+        rows = pg.locator("#curves-table tbody tr").all_inner_texts()
+        assert any(r.startswith("1\tckpt-1\teval\trandom") for r in rows), rows
+        mu = pg.locator("#curves figure", has_text="TrueSkill").locator("circle title").all_text_contents()
+        assert len(mu) == 4  # mu and conservative, two rounds
+        # The learner charts are curves, not counters.
+        learner = pg.locator("#learner figcaption").all_inner_texts()
+        assert learner and not [c for c in learner if c.split()[0] in ("update", "batch_seed")]
+        assert errors == []

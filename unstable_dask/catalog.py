@@ -21,7 +21,7 @@ import pyarrow as pa
 
 SEAT = pa.struct([
     ("pid", pa.int32()),
-    ("model_uid", pa.string()),  # checkpoint uid, "base", "random", or a fixed opponent's name
+    ("model_uid", pa.string()),  # checkpoint uid, "base", "random", an adapter dir's name, an endpoint's model id
     ("is_learner", pa.bool_()),  # seat played by the checkpoint this round trains/evaluates
     ("role", pa.string()),
     ("reward", pa.float64()),  # final reward from the env
@@ -74,7 +74,9 @@ TURNS = pa.schema([
     _f("truncated", pa.bool_(), "generation stopped at max_new_tokens"),
     _f("logprobs", pa.list_(pa.float32()),
        "behaviour log-prob of each id in completion_token_ids (see Behaviour log-probs)"),
-    _f("latency_s", pa.float64(), "wall time of the batched generate call this turn was in"),
+    _f("latency_s", pa.float64(), "wall time of the batched generate call this turn was in (endpoints: its request)"),
+    _f("error", pa.string(), "why an endpoint request finally failed (then completion is null and the env got an "
+       "empty action); null otherwise and in files written before the column existed"),
 ])
 
 ROUNDS = pa.schema([

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -61,13 +62,35 @@ class _Strict(BaseModel):
         return v
 
 
+# Opponent names that are not checkpoints or endpoints; also their model_uids in the lake.
+BASE_UID = "base"
+RANDOM_UID = "random"
+CHECKPOINT_UID = re.compile(r"ckpt-\d+")  # the learner names its checkpoints ckpt-<k> (learn.py)
+NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # run and endpoint names: safe in paths and messages
+
+
+def _reserved_uid(uid: str) -> bool:
+    return uid in (BASE_UID, RANDOM_UID) or CHECKPOINT_UID.fullmatch(uid) is not None
+
+
 class RunConfig(_Strict):
-    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    name: str = Field("demo", pattern=NAME)
     lake: str = "lake"
     reports: str = "reports"
     seed: int = 0
     # `loop` compacts the run's lake files every this many rounds (0: never; `run compact` by hand)
     compact_every: int = Field(0, ge=0)
+    # Experiment trackers the lake is mirrored to (trackers.py) after each commit and by `run track`.
+    trackers: list[Literal["wandb", "mlflow"]] = []
+
+    @field_validator("trackers")
+    @classmethod
+    def _installed(cls, v: list[str]) -> list[str]:
+        import importlib.util
+        missing = [t for t in dict.fromkeys(v) if importlib.util.find_spec(t) is None]
+        if missing:
+            raise ValueError(f"{' and '.join(missing)} is not installed: pip install 'unstable-dask[trackers]'")
+        return v
 
 
 class LoraConfig(_Strict):
@@ -234,6 +257,17 @@ class LearnConfig(_Strict):
     kl_coef: float = Field(0.0, ge=0.0)
     gradient_checkpointing: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # QLoRA: the frozen base loaded in 4 bit (NF4) or 8 bit through bitsandbytes, CUDA only; the
+    # adapters stay standard peft LoRA (served by vLLM on the unquantized base).
+    quantization: Literal["none", "4bit", "8bit"] = "none"  # declared after device, which it is checked against
+
+    @field_validator("quantization")
+    @classmethod
+    def _cuda_only(cls, v: str, info: ValidationInfo) -> str:
+        if v != "none" and info.data.get("device") == "cpu":
+            raise ValueError("4/8-bit learners need a CUDA GPU (bitsandbytes) and learn.device is 'cpu'; "
+                             "use 'none' on CPU")
+        return v
     # Reward transforms, as built-in names with arguments (e.g. "RewardForFormat(1.5)") or raw SQL.
     # Left out, final and sampling transforms are the algorithm's defaults (its SPEC); listed, exactly those.
     final_transforms: Optional[list[str]] = None
@@ -277,6 +311,43 @@ class RatingsConfig(_Strict):
     include_eval: bool = True  # eval games against fixed opponents update ratings too
 
 
+class EndpointConfig(_Strict):
+    """An OpenAI-compatible chat endpoint (OpenRouter, OpenAI, a `vllm serve`) that plays opponent seats.
+
+    The API key is read from the environment variable `api_key_env` on the worker when the round
+    plays; the job (and so the lake's copy of it) holds only the variable's name.
+    """
+    base_url: str = Field(pattern=r"^https?://\S+$")
+    model: str = Field(min_length=1)  # the served model id; the seats' model_uid in the lake
+    api_key_env: Optional[str] = None  # None: no key (a local server)
+    max_concurrency: int = Field(8, gt=0)  # requests in flight to this endpoint per worker process
+    timeout: float = Field(60.0, gt=0.0)  # seconds per attempt (the openai client's timeout)
+    max_retries: int = Field(3, ge=0)  # the openai client's retries on 408/409/429/5xx, timeouts, dropped connections
+    # Sampling; None takes [model]'s value, so the endpoint plays under the learner's settings.
+    temperature: Optional[float] = Field(None, ge=0.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    max_tokens: Optional[int] = Field(None, gt=0)  # None: [model].max_new_tokens
+    extra_body: dict[str, Any] = {}  # merged into every request body (e.g. OpenRouter's "provider")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _key_is_a_name(cls, data: Any) -> Any:
+        # Checked on the whole table, so the message does not echo the value: a pasted key.
+        var = data.get("api_key_env") if isinstance(data, dict) else None
+        if isinstance(var, str) and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", var):
+            raise ValueError("api_key_env must name the environment variable that holds the API key "
+                             "(e.g. OPENROUTER_API_KEY), not the key itself (the value is not shown)")
+        return data
+
+    @field_validator("model")
+    @classmethod
+    def _own_uid(cls, v: str) -> str:
+        if _reserved_uid(v):
+            raise ValueError("the endpoint's model id is its model_uid in the lake and may not be 'base', "
+                             "'random' or a checkpoint uid (ckpt-<k>); serve it under another name")
+        return v
+
+
 class Job(_Strict):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -284,6 +355,7 @@ class Job(_Strict):
     round: RoundConfig = RoundConfig()
     learn: LearnConfig = LearnConfig()
     ratings: RatingsConfig = RatingsConfig()
+    endpoints: dict[str, EndpointConfig] = {}  # [endpoints.<name>]: opponents by that name
     # Where the job came from (a path or "<default>"), for messages; not part of the TOML.
     source: str = Field("<default>", exclude=True)
 
@@ -294,6 +366,15 @@ class Job(_Strict):
     @property
     def reports_path(self) -> Path:
         return Path(self.run.reports)
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoint_names(cls, v: dict[str, EndpointConfig]) -> dict[str, EndpointConfig]:
+        for name in v:
+            if not re.fullmatch(NAME, name) or _reserved_uid(name):
+                raise ValueError(f"endpoint name {name!r}: expected letters, digits, '_', '.', '-', and not "
+                                 f"'base', 'random' or a checkpoint uid (ckpt-<k>)")
+        return v
 
     def fingerprint(self) -> str:
         """A short hash of the validated job, stored with every round commit."""
@@ -329,9 +410,31 @@ def validate_job(raw: dict, source: str = "<default>") -> Job:
     except ValidationError as err:
         raise JobError(_format_error(source, err, raw)) from None
     job.source = source
+    _check_opponents(job)
     _check_algorithm(job)
     check_learn_sql(job)
     return job
+
+
+def _check_opponents(job: Job) -> None:
+    """Every opponent name is something a round can seat. Checkpoint uids are checked by their
+    form here (the lake is not read at load) and against the run's checkpoints when a round starts."""
+    lists = [("round.opponents.fixed", job.round.opponents.fixed)]
+    for split in ("train", "eval"):
+        lists += [(f"round.{split}_envs[{i}].opponents", e.opponents or [])
+                  for i, e in enumerate(getattr(job.round, f"{split}_envs"))]
+    for key, names in lists:
+        for j, name in enumerate(names):
+            if not (_reserved_uid(name) or name in job.endpoints or (Path(name) / "adapter_config.json").is_file()):
+                raise JobError(opponent_error(job, f"{key}[{j}]", name))
+
+
+def opponent_error(job: Job, key: str, name: str) -> str:
+    """The one message for an opponent name a round cannot seat."""
+    declared = ", ".join(repr(n) for n in job.endpoints) or "none declared"
+    return (f"{job.source}: key '{key}' names opponent {name!r}: expected 'random', 'base', an endpoint "
+            f"of [endpoints] ({declared}), a checkpoint uid of run {job.run.name!r} (ckpt-<k>), "
+            f"or a LoRA adapter directory")
 
 
 def _check_algorithm(job: Job) -> None:

@@ -18,6 +18,7 @@ for a round already trained on (the newest checkpoint lists it) does nothing.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -146,6 +147,19 @@ def check_exact_tokens(con: duckdb.DuckDBPyConnection, job: Job, p: Plan) -> Non
                        "play new rounds (learn.window) or start a new run")
 
 
+def check_quantization(job: Job, device: str) -> None:
+    """A 4/8-bit learner needs CUDA and bitsandbytes: say so before a round or an update is spent."""
+    q = job.learn.quantization
+    if q == "none":
+        return
+    where = f"{job.source}: key 'learn.quantization' has value {q!r}"
+    if device != "cuda":
+        raise JobError(f"{where}: 4/8-bit learners need a CUDA GPU (bitsandbytes) and this learner runs on {device} "
+                       f"(learn.device = {job.learn.device!r}); use 'none' on CPU")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise JobError(f"{where}: the bitsandbytes package is not installed: pip install 'unstable-dask[quantization]'")
+
+
 def resolve_device(job: Job) -> str:
     if job.learn.device != "auto":
         return job.learn.device
@@ -184,6 +198,7 @@ def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None,
     finally:
         con.close()
     device = resolve_device(job)
+    check_quantization(job, device)
     from .cluster import task_resources
     if device == "cuda" and task_resources(job.cluster, client):
         def submit(c):  # the GPU lives on a worker: run there, beside that worker's resident engine

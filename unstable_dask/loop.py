@@ -12,10 +12,10 @@ from typing import Optional
 
 from rich.console import Console
 
-from . import lake as lk, ratings, report
+from . import lake as lk, ratings, report, trackers
 from .cluster import open_client
 from .config import Job, JobError
-from .learn import learn, plan
+from .learn import check_quantization, learn, plan, resolve_device
 
 
 def _rate_and_report(job: Job, console: Console) -> None:
@@ -31,6 +31,20 @@ def _compact(job: Job, console: Console) -> None:
     merged = compact(job.run.lake, run=job.run.name)
     console.print(f"compacted run {job.run.name}: {sum(r for r, _ in merged.values())} files into "
                   f"{sum(a for _, a in merged.values())}", highlight=False)
+
+
+def _track(job: Job, console: Console) -> None:
+    """Mirror the lake's new rows to the job's trackers (trackers.py)."""
+    if not job.run.trackers:
+        return
+    try:
+        logged = trackers.sync(job)
+    except Exception as e:  # noqa: BLE001 -- a tracker outage must not stop training: the lake holds
+        # everything, and `run track` (or the next sync) logs what this one missed, once.
+        console.print(f"trackers: sync failed ({type(e).__name__}: {e}); the lake is intact, "
+                      "run `python -m unstable_dask.run track` later", highlight=False)
+        return
+    console.print("trackers: " + ", ".join(f"{k} +{n} rows" for k, n in logged.items()), highlight=False)
 
 
 def round_summary(job: Job, round_: int) -> list[str]:
@@ -64,6 +78,7 @@ def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = 
     if rounds < 1:
         raise JobError(f"{job.source}: --rounds must be >= 1, got {rounds}")
     console = console or Console(stderr=True)
+    check_quantization(job, resolve_device(job))  # before the first round, not at the first update
     lake, run = job.run.lake, job.run.name
     results = []
     with open_client(job.cluster) as client:  # one cluster for the whole loop: engines stay resident
@@ -75,6 +90,7 @@ def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = 
                 results.append(res)
                 if rate:
                     _rate_and_report(job, console)
+                _track(job, console)
             played = 0 if last is None else last + 1
             if played >= rounds:
                 return results
@@ -85,3 +101,4 @@ def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = 
                 console.print(line, highlight=False)
             if job.run.compact_every and (summary.round + 1) % job.run.compact_every == 0:
                 _compact(job, console)
+            _track(job, console)

@@ -1,7 +1,8 @@
 """Play one task: many TextArena games at once on the worker's resident engine.
 
 Each step gathers the pending prompts of every game in flight, makes one batched `generate` call
-per adapter, and steps each env. A finished game frees its slot for the next one until the task's
+per adapter (and sends the prompts of endpoint seats to their endpoints meanwhile, endpoints.py),
+and steps each env. A finished game frees its slot for the next one until the task's
 games are played; then the task writes its `games` and `turns` files to the lake (atomically, under
 names fixed by the schedule, so a retried task replaces its files).
 """
@@ -19,9 +20,10 @@ from typing import Any, Optional
 
 import textarena as ta
 
+from . import endpoints as endpoints_mod
 from . import lake as lk
 from .agents import random_move
-from .config import ModelConfig, RoundConfig
+from .config import EndpointConfig, ModelConfig, RoundConfig
 from .schedule import GameSpec, TaskSpec
 from .templates import extract_action, render_prompt
 
@@ -104,16 +106,17 @@ def _step(g: _Game, pid: int, action: str, row: dict) -> bool:
 
 
 def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, lake: str,
-              progress: Optional[Any] = None) -> dict:
+              progress: Optional[Any] = None, endpoints: Optional[dict[str, EndpointConfig]] = None) -> dict:
     """Play every game of `task`, write its games/turns files, return counters for the driver.
 
     `progress(games_finished_this_step, completion_tokens_so_far)` is called after every step.
+    `endpoints`: the job's [endpoints], for seats an endpoint plays.
     """
     from .envs import register_envs
     register_envs()
     worker = f"{socket.gethostname()}:{os.getpid()}"
     engine = None
-    if any(not s.is_random for g in task.games for s in g.seats):
+    if any(not s.is_random and s.endpoint is None for g in task.games for s in g.seats):
         from .engines import get_engine
         engine = get_engine(model_cfg)
     pending = list(task.games)
@@ -128,7 +131,13 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
         while pending and len(active) < round_cfg.concurrency:
             active.append(_start(pending.pop(0), round_cfg))
         requests: dict[Optional[str], list[tuple[_Game, int, str, str, Any]]] = defaultdict(list)
+        remote: dict[str, list[tuple[_Game, int, str, str, Any]]] = defaultdict(list)
         finished: list[tuple[_Game, bool]] = []
+
+        def advance(g: _Game, pid: int, action: str, row: dict) -> None:
+            if _step(g, pid, action, row) or len(g.turns) >= round_cfg.max_turns:
+                finished.append((g, len(g.turns) >= round_cfg.max_turns and not _state(g.env).done))
+
         for g in active:
             pid, obs = g.call(g.env.get_observation)
             seat = g.spec.seats[pid]
@@ -140,11 +149,19 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
                 base_row.update(prompt=None, completion=None, format_ok=None, prompt_tokens=0,
                                 completion_tokens=0, completion_token_ids=None, truncated=False, logprobs=None,
                                 latency_s=0.0)
-                if _step(g, pid, move, base_row) or len(g.turns) >= round_cfg.max_turns:
-                    finished.append((g, len(g.turns) >= round_cfg.max_turns and not _state(g.env).done))
+                advance(g, pid, move, base_row)
+                continue
+            if seat.endpoint is not None:
+                # The endpoint applies its own chat template: the prompt is the user message of the
+                # `chat` template, sent and stored as is.
+                prompt = render_prompt("chat", obs, lambda text: text)
+                remote[seat.endpoint].append((g, pid, prompt, seat.model_uid, base_row))
                 continue
             prompt = render_prompt(g.spec.template, obs, engine.chat_prompt)
             requests[seat.adapter].append((g, pid, prompt, seat.model_uid, base_row))
+        # Sent before the local generate calls, so the endpoints work while the engine does.
+        calls = [(reqs, endpoints_mod.submit(name, endpoints[name], [r[2] for r in reqs], model_cfg))
+                 for name, reqs in remote.items()]
         for adapter_path, reqs in requests.items():
             adapter = None
             if adapter_path is not None:
@@ -166,8 +183,18 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
                            completion_tokens=out.completion_tokens, completion_token_ids=out.token_ids,
                            truncated=out.truncated,
                            logprobs=out.logprobs, latency_s=dt)
-                if _step(g, pid, action, row) or len(g.turns) >= round_cfg.max_turns:
-                    finished.append((g, len(g.turns) >= round_cfg.max_turns and not _state(g.env).done))
+                advance(g, pid, action, row)
+        # Endpoint tokens are not counted in `tokens`: that is the local engine's throughput.
+        for reqs, call in calls:
+            for (g, pid, prompt, _, row), reply in zip(reqs, call.result()):
+                text = None if reply.text is None else _utf8(reply.text)
+                # A failed request sends the env an empty action, an invalid move by its rules.
+                action, ok = extract_action(text or "")
+                row.update(prompt=prompt, completion=text, format_ok=None if text is None else ok,
+                           prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens,
+                           completion_token_ids=None, truncated=reply.truncated, logprobs=None,
+                           latency_s=reply.latency_s, error=reply.error)
+                advance(g, pid, action, row)
         for g, capped in finished:
             active.remove(g)
             games_out.append(_finish(g, worker, task.key, capped))

@@ -20,7 +20,7 @@ import jinja2
 import pyarrow as pa
 from markupsafe import Markup
 
-from . import lake
+from . import arena, lake
 from .config import Job
 
 HERE = Path(__file__).resolve().parent
@@ -55,8 +55,8 @@ turns_ AS (
     FROM turns t JOIN games_ g USING (run, round, game_id) WHERE t.is_learner AND t.prompt IS NOT NULL),
 by_seat AS (
     SELECT run, round, split, CASE WHEN grouping(opponent) = 1 THEN '*' ELSE opponent END AS opponent,
-           count(DISTINCT game_id) AS games, count(*) AS seats, sum(win) AS wins, sum(draw) AS draws,
-           count(*) - sum(win) - sum(draw) AS losses, (sum(win) + 0.5 * sum(draw)) / count(*) AS win_rate,
+           count(DISTINCT game_id) AS games, count(*) AS seats, sum(win)::BIGINT AS wins,  -- sum() is HUGEINT: Decimal in Python
+           sum(draw)::BIGINT AS draws, (count(*) - sum(win) - sum(draw))::BIGINT AS losses, (sum(win) + 0.5 * sum(draw)) / count(*) AS win_rate,
            avg(reward) AS mean_reward, avg(num_turns) AS game_length
     FROM seats_ GROUP BY GROUPING SETS ((run, round, split, opponent), (run, round, split))),
 by_turn AS (
@@ -164,9 +164,7 @@ def heatmap(h2h: list[dict]) -> Optional[dict]:
     cells = []
     for r in h2h:
         w = r["win_rate_a"]
-        red, blue = int(255 * min(1, 2 * (1 - w))), int(255 * min(1, 2 * w))  # 0 red .. 0.5 white .. 1 blue
-        color = f"rgb({red},{min(red, blue)},{blue})"
-        cells.append({"x": left + ix[r["model_b"]] * cell, "y": top + ix[r["model_a"]] * cell, "color": color,
+        cells.append({"x": left + ix[r["model_b"]] * cell, "y": top + ix[r["model_a"]] * cell, "color": arena.rdbu(w),
                       "text": f"{w:.2f}", "a": r["model_a"], "b": r["model_b"], "games": r["games"]})
     n = len(models)
     return {"cells": cells, "size": cell, "width": left + n * cell + 10, "height": top + n * cell + 150,
@@ -192,8 +190,7 @@ def gather(lake_dir: Path, run: str) -> dict[str, Any]:
     """Everything the run page shows, as plain Python values."""
     con = lake.connect(lake_dir)
     try:
-        ratings = _rows(con, "SELECT * EXCLUDE (run) FROM ratings WHERE run = ? "
-                        "ORDER BY env_id, conservative DESC, model_uid", [run])
+        boards, arena_views = arena.views(con, run)  # ratings rows + Arena columns, per env
         history = _rows(con, "SELECT * EXCLUDE (run) FROM rating_history WHERE run = ? ORDER BY round, model_uid", [run])
         h2h = _rows(con, "SELECT * EXCLUDE (run) FROM head_to_head WHERE run = ? AND env_id = '*' "
                     "ORDER BY model_a, model_b", [run])
@@ -208,8 +205,7 @@ def gather(lake_dir: Path, run: str) -> dict[str, Any]:
         samples = _samples(con, run)
     finally:
         con.close()
-    envs = sorted({r["env_id"] for r in ratings}, key=lambda e: (e != "*", e))
-    boards = {e: [dict(r) for r in ratings if r["env_id"] == e] for e in envs}
+    envs = list(boards)
     for rows in boards.values():
         _bt_bars(rows)
     overall = [h for h in history if h["env_id"] == "*"]
@@ -223,7 +219,7 @@ def gather(lake_dir: Path, run: str) -> dict[str, Any]:
                             "checkpoint iteration", "rating", bands={"mu": [(i, r["mu"] - 3 * r["sigma"], r["mu"] + 3 * r["sigma"])
                                                                             for i, r in ck_pts]})
     return {"run": run, "envs": envs, "boards": boards, "hist_chart": hist_chart, "ckpt_chart": ckpt_chart,
-            "heatmap": heatmap(h2h), "curves": curves, "curve_charts": curve_charts(curves), "per_env": per_env,
+            "heatmap": heatmap(h2h), "arena": arena_views, "curves": curves, "curve_charts": curve_charts(curves), "per_env": per_env,
             "learner": learner, "samples": samples, "checkpoints": ckpts}
 
 
@@ -268,11 +264,16 @@ def curve_charts(curves: list[dict]) -> dict[str, Optional[dict]]:
 NOT_CURVES = {"iteration", "run", "step", "update", "batch_seed"}
 
 
+def learner_columns(con) -> list[str]:
+    """The numeric learner_steps columns that are curves (also what `trackers` mirrors)."""
+    schema = con.sql("SELECT * FROM learner_steps LIMIT 0").to_arrow_table().schema
+    return [f.name for f in schema if f.name not in NOT_CURVES
+            and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))]
+
+
 def _learner(con, run: str) -> dict[str, dict]:
     """One chart per numeric learner_steps column, averaged per iteration."""
-    schema = con.sql("SELECT * FROM learner_steps LIMIT 0").to_arrow_table().schema
-    cols = [f.name for f in schema if f.name not in NOT_CURVES
-            and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))]
+    cols = learner_columns(con)
     if not cols:
         return {}
     # Column names come from the lake's own schema, quoted as identifiers; values stay parameters.

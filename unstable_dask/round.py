@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from . import lake as lk
 from .cluster import open_client, task_resources
 from .config import Job, JobError
+from .endpoints import require_keys
 from .models import resolve_model
 from .play import play_task
 from .schedule import Checkpoint, check_envs, list_checkpoints, schedule_round
@@ -62,7 +63,7 @@ def newest_checkpoint(lake: str, run: str) -> Checkpoint:
     return list_checkpoints(lake, run)[-1]
 
 
-def _play_on_worker(task, model_cfg, round_cfg, lake):
+def _play_on_worker(task, model_cfg, round_cfg, lake, endpoints):
     """The Dask task: play, and stream progress to the driver as worker events (throttled)."""
     worker = get_worker()
     last = [0.0, 0, 0]  # time sent, games not yet sent, tokens sent
@@ -74,7 +75,7 @@ def _play_on_worker(task, model_cfg, round_cfg, lake):
             worker.log_event(PROGRESS_TOPIC, {"games": last[1], "tokens": tokens - last[2]})
             last[0], last[1], last[2] = now, 0, tokens
 
-    return play_task(task, model_cfg, round_cfg, lake, progress)
+    return play_task(task, model_cfg, round_cfg, lake, progress, endpoints)
 
 
 def play_round(job: Job, client: Optional[Client] = None, console: Optional[Console] = None) -> RoundSummary:
@@ -93,6 +94,7 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
     # visible, so a concurrent or killed driver can never change a committed round.
     attempt = uuid.uuid4().hex[:8]
     tasks = [dataclasses.replace(t, attempt=attempt) for t in schedule_round(job, round_, current, checkpoints)]
+    require_keys(job, {s.endpoint for t in tasks for g in t.games for s in g.seats if s.endpoint})
     started = lk.now()
     t0 = time.perf_counter()
     n_games = sum(len(t.games) for t in tasks)
@@ -140,7 +142,7 @@ def _run_tasks(client: Client, job: Job, tasks, n_games: int, round_: int, curre
         resources = task_resources(job.cluster, client)
         client.subscribe_topic(PROGRESS_TOPIC, on_event)
         try:
-            futures = [client.submit(_play_on_worker, t, job.model, job.round, lake, pure=False,
+            futures = [client.submit(_play_on_worker, t, job.model, job.round, lake, job.endpoints, pure=False,
                                      key=f"play-{t.run}-r{t.round}-{t.key}-{time.time_ns()}",
                                      resources=resources, retries=2)
                        for t in tasks]

@@ -1,6 +1,6 @@
 """Command line: `python -m unstable_dask.run <job> [--job jobs/X.toml] [options]`.
 
-Jobs: round, eval, learn, rate, report, loop, sql, cluster; lake upkeep: compact, vacuum,
+Jobs: round, eval, learn, rate, report, loop, track, sql, cluster; lake upkeep: compact, vacuum,
 migrate. With no --job the embedded default runs (CPU, builtin tiny model, LocalCluster, ./lake,
 ./reports). User mistakes print one line and exit with code 2; tracebacks are for bugs.
 """
@@ -135,6 +135,16 @@ def cmd_report(args) -> None:
     console.print(f"report: {path}")
 
 
+def cmd_track(args) -> None:
+    job = _job(args)
+    if not job.run.trackers:
+        raise JobError(f"{job.source}: key 'run.trackers' is empty: name the trackers to mirror the lake to, "
+                       "e.g. --set 'run.trackers=[\"wandb\"]'")
+    from .trackers import sync
+    for name, n in sync(job).items():
+        console.print(f"{name}: {n} new rows logged from {os.path.abspath(job.run.lake)} (run {job.run.name})")
+
+
 def cmd_loop(args) -> None:
     from .loop import loop
     loop(_job(args), rounds=args.rounds)
@@ -213,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--show-sql", action="store_true", help="print the SQL of the per-round learning curves and exit")
     sp = add("loop", "round -> learn -> rate -> report, N times; resumes where it stopped")
     sp.add_argument("--rounds", type=int, default=3)
+    add("track", "mirror the run's lake (rounds, learner steps, ratings) to the trackers in run.trackers")
     sp = add("cluster", "start the job's cluster and print its address (or --dry-run the batch script)")
     sp.add_argument("--dry-run", action="store_true", help="print the batch script that would be submitted")
     sp = sub.add_parser("sql", help="run a SELECT over the committed lake")
@@ -240,8 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"round": cmd_round, "eval": lambda a: cmd_round(a, eval_only=True), "learn": cmd_learn,
-            "rate": cmd_rate, "report": cmd_report, "loop": cmd_loop, "sql": cmd_sql, "cluster": cmd_cluster,
-            "compact": cmd_compact, "vacuum": cmd_vacuum, "migrate": cmd_migrate}
+            "rate": cmd_rate, "report": cmd_report, "loop": cmd_loop, "track": cmd_track, "sql": cmd_sql,
+            "cluster": cmd_cluster, "compact": cmd_compact, "vacuum": cmd_vacuum, "migrate": cmd_migrate}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

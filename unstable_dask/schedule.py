@@ -18,19 +18,17 @@ import textarena as ta
 import trueskill
 
 from . import lake as lk
-from .config import EnvSpec, Job, JobError
+from .config import BASE_UID, RANDOM_UID, EnvSpec, Job, JobError, opponent_error
 from .duels import inherited, make_env
-
-BASE_UID = "base"
-RANDOM_UID = "random"
 
 
 @dataclass(frozen=True)
 class Seat:
     pid: int
     model_uid: str
-    adapter: Optional[str]  # LoRA adapter dir; None for the base model and the random agent
+    adapter: Optional[str]  # LoRA adapter dir; None for the base model, the random agent and endpoints
     is_learner: bool
+    endpoint: Optional[str] = None  # name of the job's [endpoints.<name>] that plays this seat
 
     @property
     def is_random(self) -> bool:
@@ -164,14 +162,15 @@ class OpponentPool:
     def seat(self, name: str, pid: int, key: str) -> Seat:
         if name == RANDOM_UID:
             return Seat(pid, RANDOM_UID, None, False)
+        if name in self.job.endpoints:
+            return Seat(pid, self.job.endpoints[name].model, None, False, endpoint=name)
         if name in self.by_uid:
             c = self.by_uid[name]
             return Seat(pid, c.uid, c.adapter, False)
         p = Path(name)
         if (p / "adapter_config.json").is_file():
             return Seat(pid, p.name, str(p.resolve()), False)
-        raise JobError(f"{self.job.source}: key '{key}' names opponent {name!r}: expected 'random', 'base', "
-                       f"a checkpoint uid of run {self.job.run.name!r}, or a LoRA adapter directory")
+        raise JobError(opponent_error(self.job, key, name))
 
     def candidates(self) -> list[str]:
         strategy = self.job.round.opponents.strategy
@@ -201,7 +200,9 @@ class OpponentPool:
             return np.full(len(names), 1.0 / len(names))
         env = make_env(self.job.ratings)
         me = env.create_rating(*self.rating(self.current.uid))
-        w = np.array([trueskill.quality_1vs1(me, env.create_rating(*self.rating(n)), env=env) for n in names])
+        # An endpoint is rated under its model id, not under the name the job gives it.
+        uids = [self.job.endpoints[n].model if n in self.job.endpoints else n for n in names]
+        w = np.array([trueskill.quality_1vs1(me, env.create_rating(*self.rating(u)), env=env) for u in uids])
         return w / w.sum() if w.sum() > 0 else np.full(len(names), 1.0 / len(names))
 
 

@@ -5,7 +5,8 @@ A checkpoint directory is a standard peft adapter (adapter_config.json + adapter
 loadable by PeftModel.from_pretrained and vLLM's LoRARequest) plus what resuming exactly needs:
 optimizer.pt (AdamW state), trainer_state.json, and when the algorithm has a critic (A2C) critic/
 (its adapter, value_head.pt, critic_optimizer.pt). Precision: fp32 on CPU, bf16 base weights on
-CUDA (LoRA weights stay fp32).
+CUDA (LoRA weights stay fp32), or with learn.quantization a 4/8-bit bitsandbytes base (QLoRA); the
+adapter files are the same either way.
 """
 from __future__ import annotations
 
@@ -36,8 +37,27 @@ def lora_config(job: Job, task_type: str):
                       target_modules=list(lc.target_modules), task_type=task_type)
 
 
+def _quantized(cls, path: str, job: Job, device: torch.device):
+    """QLoRA's frozen base: 4-bit NF4 (double-quantized, bf16 compute) or 8-bit, through bitsandbytes."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+    compute = model_dtype(job, device)
+    bnb = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute)
+           if job.learn.quantization == "4bit" else BitsAndBytesConfig(load_in_8bit=True))
+    # A bitsandbytes model cannot be moved once loaded: it is placed on this GPU while loading.
+    gpu = device.index if device.index is not None else torch.cuda.current_device()
+    model = cls.from_pretrained(path, dtype=compute, quantization_config=bnb, device_map={"": gpu})
+    # Freezes the base and upcasts the remaining half-precision weights (norms, head) to fp32, as
+    # QLoRA trains; gradient checkpointing is switched on by _backbone like for any base.
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
 def _backbone(cls, path: str, job: Job, device: torch.device):
-    model = cls.from_pretrained(path, dtype=model_dtype(job, device)).to(device)
+    if job.learn.quantization == "none":
+        model = cls.from_pretrained(path, dtype=model_dtype(job, device)).to(device)
+    else:
+        model = _quantized(cls, path, job, device)
     model.config.use_cache = False  # training: no KV cache (and required by gradient checkpointing)
     if job.learn.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 renamed it
