@@ -136,6 +136,8 @@ class _Wandb:
         import wandb
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), id=job.run.name, name=job.run.name,
                               resume="allow", config=job.model_dump(mode="json"),
+                              # read per sync: wandb keeps the WANDB_DIR of its first init in the process
+                              dir=os.environ.get("WANDB_DIR"),
                               # offline folders are named by the second: two syncs in one must not share one
                               settings=wandb.Settings(silent=True, console="off", x_sync_dir_suffix=uuid.uuid4().hex[:8]))
         for step, prefix in SERIES.items():
