@@ -10,6 +10,9 @@ engine resident), a scaled-down version of a GPU job (default jobs/qwen3-selfpla
               the engine sleeps during the update (vLLM level-1 sleep; hf: weights moved to host)
   3. learner  the learner_steps of that loop: CUDA memory allocated/reserved/peak, tokens/s,
               engine sleep/wake seconds and the device memory free while the engine slept
+  4. quant    (--stages quant) the learner's peak memory by learn.quantization: one round's lake,
+              then one update per setting (none, 8bit, 4bit) on a copy of it, each in a fresh
+              process, so the same batch and nothing else differ
 
 and writes one JSON (bench/results/gpu_check.json). Without a GPU it exits 2 with one line.
 
@@ -130,12 +133,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=64, help="learner batch (turns)")
     ap.add_argument("--out", default="gpu_check", help="bench/results/<out>.json")
-    ap.add_argument("--stages", default="round,loop", help="comma list of round, loop (the learner figures "
-                    "come from the loop); a short device lease can re-measure one stage")
+    ap.add_argument("--stages", default="round,loop", help="comma list of round, loop, quant (the learner "
+                    "figures come from the loop); a short device lease can re-measure one stage")
     args = ap.parse_args()
     stages = set(args.stages.split(","))
-    if not stages or stages - {"round", "loop"}:
-        ap.error(f"--stages: expected a comma list of round, loop; got {args.stages!r}")
+    if not stages or stages - {"round", "loop", "quant"}:
+        ap.error(f"--stages: expected a comma list of round, loop, quant; got {args.stages!r}")
 
     import torch
     if not torch.cuda.is_available():
@@ -179,6 +182,9 @@ def main() -> None:
             save(args.out, result)  # a lease that ends during the loop still leaves the round's figures
         if "loop" in stages:
             result.update(_loop_stage(load_job(args.job, over | {"run.lake": f"{tmp}/loop", "run.name": "gpu-loop"})))
+            save(args.out, result)
+        if "quant" in stages:
+            result["quantization"] = _quant_stage(args.job, over | {"run.lake": f"{tmp}/quant", "run.name": "gpu-quant"})
         result["ok"] = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -193,6 +199,9 @@ def main() -> None:
         print(row(f"learner it {st['iteration']} update {st['update']}",
                   f"peak {st['cuda_mem_peak'] / 2**20:.0f} MiB, reserved {st['cuda_mem_reserved'] / 2**20:.0f} MiB, "
                   f"{st['tokens_per_s']:.0f} tok/s"))
+    for q, st in result.get("quantization", {}).items():
+        print(row(f"learner quantization {q}", f"peak {st['cuda_mem_peak'] / 2**20:.0f} MiB, "
+                  f"{st['tokens_per_s']:.0f} tok/s, loss {st['loss']:.4f}"))
     print(f"results: {path}")
 
 
@@ -228,6 +237,41 @@ def _loop_stage(ljob) -> dict:
                                     "ORDER BY iteration, update").to_pylist()
     out["loop_rounds"] = lk.query(ljob.run.lake, "SELECT round, completion_tokens, "
                                   "epoch(committed_at - started_at) AS wall_s FROM rounds ORDER BY round").to_pylist()
+    return out
+
+
+def _learn_once(job_path: str, over: dict) -> dict:
+    """One learner update in this (fresh) process; its learner_steps row."""
+    from unstable_dask import lake as lk
+    from unstable_dask.config import load_job
+    from unstable_dask.learn import learn
+    job = load_job(job_path, over)
+    learn(job)
+    return lk.query(job.run.lake, "SELECT * EXCLUDE (rounds, created_at) FROM learner_steps").to_pylist()[0]
+
+
+def _quant_stage(job_path: str, over: dict) -> dict:
+    """4. peak learner memory by learn.quantization on one batch: a round writes the lake, then each
+    setting trains ckpt-1 on its own copy of it in a spawned process (a fresh CUDA context and
+    peak counter; no engine on the device)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from unstable_dask.cluster import open_client
+    from unstable_dask.config import load_job
+    from unstable_dask.round import play_round
+    job = load_job(job_path, over)
+    with open_client(job.cluster) as client:
+        play_round(job, client=client)
+    out = {}
+    for q in ("none", "8bit", "4bit"):
+        lake = f"{job.run.lake}-{q}"
+        shutil.copytree(job.run.lake, lake)
+        # cluster.kind local: the update runs in the spawned process itself, not on a GPU worker
+        qover = over | {"run.lake": lake, "learn.quantization": q, "cluster.kind": "local"}
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+            out[q] = ex.submit(_learn_once, job_path, qover).result()
+        print(f"quant {q}: peak {out[q]['cuda_mem_peak'] / 2**20:.0f} MiB", flush=True)
     return out
 
 

@@ -34,7 +34,8 @@ def chromium_or_skip() -> str:
 
 @contextmanager
 def opened(path: Path) -> Iterator[tuple[Any, list[str]]]:
-    """The page at `path` in headless Chromium, and the console errors and warnings it logs."""
+    """The page at `path` in headless Chromium, and the console errors and warnings, uncaught page
+    errors and dialogs (an injected alert) it produced."""
     exe = chromium_or_skip()
     from playwright.sync_api import sync_playwright
     with sync_playwright() as p:
@@ -43,6 +44,8 @@ def opened(path: Path) -> Iterator[tuple[Any, list[str]]]:
             pg = browser.new_page()
             errors: list[str] = []
             pg.on("console", lambda m: errors.append(m.text) if m.type in ("error", "warning") else None)
+            pg.on("pageerror", lambda e: errors.append(str(e)))
+            pg.on("dialog", lambda d: (errors.append("dialog: " + d.message), d.dismiss()))
             pg.goto(path.resolve().as_uri())
             pg.wait_for_load_state("load")
             yield pg, errors
@@ -80,45 +83,32 @@ def test_page_is_escaped_without_a_browser(site: Path) -> None:
 
 
 def test_report_in_headless_chromium(site: Path) -> None:
-    exe = chromium_or_skip()
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=exe, args=ARGS)
-        try:
-            page = browser.new_page()
-            errors: list[str] = []
-            page.on("console", lambda m: errors.append(m.text) if m.type in ("error", "warning") else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("dialog", lambda d: (errors.append("dialog: " + d.message), d.dismiss()))
-            page.goto(site.resolve().as_uri())
-            page.wait_for_load_state("load")
-            # Open every <details> so any hostile markup inside would be parsed and shown.
-            page.evaluate("document.querySelectorAll('details').forEach(d => d.open = true)")
-            page.wait_for_timeout(200)
-            assert errors == []
-            assert page.evaluate("typeof window.__pwned") == "undefined"
-            rows = page.locator("#lb-all tbody tr")
-            assert rows.count() >= 4
-            models = page.locator("#lb-all td.model").all_inner_texts()
-            assert "ckpt-2" in models and sl.HOSTILE[1] in models  # hostile model name shown as text
-            assert page.locator("svg polyline").count() >= 3  # rating history, checkpoints, learner, rounds
-            assert page.locator("svg rect").count() >= 10  # heat-map cells and legends
-            assert page.locator("svg.ci circle").count() >= 4  # BT CI bars
-            assert page.locator("img").count() == 0 and page.locator("pre script").count() == 0
-            completions = " ".join(page.locator("pre.completion").all_inner_texts())
-            assert "<script>window.__pwned = 1</script>" in completions and "onerror=" in completions
-            # Sorting works (our script runs): sort by model name ascending, then descending.
-            header = page.locator("#lb-all thead th", has_text="model")
-            header.click()
-            first = page.locator("#lb-all td.model").first.inner_text()
-            header.click()
-            assert page.locator("#lb-all td.model").first.inner_text() != first
-            assert errors == [] and page.evaluate("typeof window.__pwned") == "undefined"
-            index = browser.new_page()
-            index.goto((site.parent.parent / "index.html").resolve().as_uri())
-            assert index.locator("a[href='syn/index.html']").count() == 1
-        finally:
-            browser.close()
+    with opened(site) as (page, errors):
+        # Open every <details> so any hostile markup inside would be parsed and shown.
+        page.evaluate("document.querySelectorAll('details').forEach(d => d.open = true)")
+        page.wait_for_timeout(200)
+        assert errors == []
+        assert page.evaluate("typeof window.__pwned") == "undefined"
+        rows = page.locator("#lb-all tbody tr")
+        assert rows.count() >= 4
+        models = page.locator("#lb-all td.model").all_inner_texts()
+        assert "ckpt-2" in models and sl.HOSTILE[1] in models  # hostile model name shown as text
+        assert page.locator("svg polyline").count() >= 3  # rating history, checkpoints, learner, rounds
+        assert page.locator("svg rect").count() >= 10  # heat-map cells and legends
+        assert page.locator("svg.ci circle").count() >= 4  # BT CI bars
+        assert page.locator("img").count() == 0 and page.locator("pre script").count() == 0
+        completions = " ".join(page.locator("pre.completion").all_inner_texts())
+        assert "<script>window.__pwned = 1</script>" in completions and "onerror=" in completions
+        # Sorting works (our script runs): sort by model name ascending, then descending.
+        header = page.locator("#lb-all thead th", has_text="model")
+        header.click()
+        first = page.locator("#lb-all td.model").first.inner_text()
+        header.click()
+        assert page.locator("#lb-all td.model").first.inner_text() != first
+        assert errors == [] and page.evaluate("typeof window.__pwned") == "undefined"
+        index = page.context.browser.new_page()
+        index.goto((site.parent.parent / "index.html").resolve().as_uri())
+        assert index.locator("a[href='syn/index.html']").count() == 1
 
 
 def _wilson(p: float, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
