@@ -265,11 +265,14 @@ def batch_query(run: str, rounds: Sequence[int], batch_size: int, seed: int,
         raise ValueError("empty window")
     rounds_sql = ", ".join(str(int(r)) for r in sorted(rounds))
     # All seats of train games: filtering is_learner here (a field of the unnested struct) makes
-    # DuckDB's join below ~10x slower; learner rows are picked on the turns side instead.
+    # DuckDB's join below ~10x slower; learner rows are picked on the turns side instead. Final
+    # transforms see the run's history up to the window (role advantage is an EMA over all past
+    # games); without any, the window's games suffice, and the query's cost stays flat in the rounds.
+    history = f"round <= {max(rounds)}" if final else f"round IN ({rounds_sql})"
     ctes = [("final_0", f"""SELECT run, round, game_id, env_id, seed, pid, role, model_uid, is_learner,
          reward AS env_reward, reward
   FROM seats
-  WHERE run = {_sql_str(run)} AND split = 'train' AND round <= {max(rounds)}""")]
+  WHERE run = {_sql_str(run)} AND split = 'train' AND {history}""")]
     _chain(ctes, "final", final, "final_0")
     cols = ", ".join(f"t.{c}" for c in STEP_COLUMNS)
     ctes.append(("steps_0", f"""SELECT f.run, f.round, f.game_id, f.env_id, f.seed, f.pid, f.role, {cols},
