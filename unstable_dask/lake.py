@@ -314,10 +314,13 @@ def read_sql(table: str, files: list[str], mixed: bool) -> str:
             f"{', union_by_name=true' if mixed else ''})")
 
 
+# unnest() in the select list, not a lateral `FROM games g, UNNEST(g.seats)`: DuckDB pushes a
+# filter on run/round through the former into the file list (one round's files read, not all).
 SEATS_VIEW = """CREATE OR REPLACE VIEW seats AS
-    SELECT g.run, g.round, g.game_id, g.split, g.env_id, g.seed, g.group_id, g.num_players, g.num_turns,
+    SELECT run, round, game_id, split, env_id, seed, group_id, num_players, num_turns,
            s.pid, s.model_uid, s.is_learner, s.role, s.reward, s.invalid_move, s.reason
-    FROM games g, UNNEST(g.seats) AS t(s)"""
+    FROM (SELECT run, round, game_id, split, env_id, seed, group_id, num_players, num_turns, unnest(seats) AS s
+          FROM games)"""
 
 
 def create_views(con: duckdb.DuckDBPyConnection, lake: Optional[Lake],
