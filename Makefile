@@ -11,11 +11,12 @@ export TOKENIZERS_PARALLELISM := false
 install: $(VENV)/.installed
 
 # CPU machines get the CPU build of torch first; otherwise pip would pull a multi-GB CUDA build
-# for transformers/peft. On a CUDA machine torch comes from vLLM's pin (pip install -e '.[gpu]').
+# for transformers/peft. On a CUDA machine torch comes from vLLM's pin (pip install -e '.[gpu]'),
+# with bitsandbytes for 4/8-bit learners ('.[quantization]').
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	if command -v nvidia-smi >/dev/null 2>&1; then \
-	  $(PY) -m pip install -q -e '.[dev,gpu]'; \
+	  $(PY) -m pip install -q -e '.[dev,gpu,quantization]'; \
 	else \
 	  $(PY) -m pip install -q torch==2.13.0 && $(PY) -m pip install -q -e '.[dev]'; \
 	fi
