@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,4 +172,5 @@ def vacuum(lake: Lake, table: str, retention_hours: float) -> list[str]:
     dt = load(lake, table)
     if dt is None:
         return []
-    return dt.vacuum(retention_hours=int(retention_hours), dry_run=False, enforce_retention_duration=False)
+    # delta-rs takes whole hours: round up, so no file younger than asked is ever deleted
+    return dt.vacuum(retention_hours=math.ceil(retention_hours), dry_run=False, enforce_retention_duration=False)
