@@ -292,9 +292,6 @@ def visible_files(lake: Lake, table: str) -> list[Path]:
     return [Path(p) for p in snapshot_files(lake)[table][0]]
 
 
-list_files = visible_files  # the pre-Delta name, kept for callers
-
-
 def committed_rounds(lake: Lake, run: Optional[str] = None) -> set[tuple[str, int]]:
     s = dl.snapshot(lake, "rounds")
     return {(r, p) for r, p in zip(s.runs, s.parts) if run is None or r == run}

@@ -99,7 +99,7 @@ def check_envs(job: Job) -> None:
 
 
 def _ratings_overall(lake: str, run: str) -> dict[str, tuple[float, float]]:
-    if not lk.list_files(lake, "ratings"):
+    if not lk.visible_files(lake, "ratings"):
         return {}
     rows = lk.query(lake, "SELECT model_uid, mu, sigma FROM ratings WHERE run = ? AND env_id = '*'", [run]).to_pylist()
     return {r["model_uid"]: (r["mu"], r["sigma"]) for r in rows}
