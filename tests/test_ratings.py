@@ -26,7 +26,7 @@ def job_for(lake_dir: Path, **ratings_cfg):
 
 
 def file_bytes(lake_dir: Path) -> dict[str, bytes]:
-    return {t: (lake.table_dir(lake_dir, t, RUN) / f"{k}.parquet").read_bytes() for t, k in FILES}
+    return {t: (Path(lake.table_dir(lake_dir, t, RUN)) / f"{k}.parquet").read_bytes() for t, k in FILES}
 
 
 def oracle(lake_dir: Path, cfg, include_eval: bool = True) -> tuple[dict, dict]:

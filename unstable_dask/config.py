@@ -359,14 +359,6 @@ class Job(_Strict):
     # Where the job came from (a path or "<default>"), for messages; not part of the TOML.
     source: str = Field("<default>", exclude=True)
 
-    @property
-    def lake_path(self) -> Path:
-        return Path(self.run.lake)
-
-    @property
-    def reports_path(self) -> Path:
-        return Path(self.run.reports)
-
     @field_validator("endpoints")
     @classmethod
     def _endpoint_names(cls, v: dict[str, EndpointConfig]) -> dict[str, EndpointConfig]:

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Optional, Union
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from deltalake import DeltaTable, Schema
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from deltalake.transaction import AddAction, CommitProperties, Transaction, create_table_with_add_actions
 
+from . import storage as st
 from .catalog import TABLES, with_partitions
 
 log = logging.getLogger("unstable_dask.lake")
@@ -32,7 +32,7 @@ Lake = Union[str, Path]
 
 
 def table_uri(lake: Lake, table: str) -> str:
-    return str(Path(lake).resolve() / table)
+    return st.join(st.root(lake), table)
 
 
 def app_id(run: str, partition: str, part: int) -> str:
@@ -71,13 +71,12 @@ def _ensure(lake: Lake, table: str) -> DeltaTable:
 def add_action(lake: Lake, table: str, rel: str) -> tuple[AddAction, bool]:
     """The add action of an existing file (`rel`: relative to the table folder) and whether the
     file lacks columns of the catalog schema (written before they existed)."""
-    path = Path(lake) / table / rel
-    meta = pq.read_metadata(path)  # a torn file fails here, before it is named by a commit
-    st = path.stat()
-    values = dict(part.split("=", 1) for part in Path(rel).parts[:-1])
+    path = st.join(lake, table, rel)
+    meta = st.read_metadata(path)  # a torn file fails here, before it is named by a commit
+    values = dict(part.split("=", 1) for part in rel.split("/")[:-1])
     names = set(meta.schema.to_arrow_schema().names)
     lacks = not set(TABLES[table].schema.names) <= names
-    return AddAction(rel, st.st_size, values, int(st.st_mtime * 1000), True,
+    return AddAction(rel, st.size(path), values, st.mtime_ms(path), True,
                      json.dumps({"numRecords": meta.num_rows})), lacks
 
 

@@ -9,6 +9,8 @@ Layout (documented column by column in lake/README.md, generated from catalog.py
     <lake>/adapters/<run>/<uid>/                         LoRA adapters (peft format)
     <lake>/lake.duckdb                                   views for the duckdb shell (rewritten per commit)
 
+`<lake>` is a local folder or an object-store URI (`s3://bucket/prefix`): storage.py does the I/O.
+
 A commit of a partition (a round, a learner iteration) takes three Delta commits, each keyed by
 the application id `<run>/<partition>=<n>`:
   1. claim: the marker table (rounds / checkpoints) records the app id, with the path of the
@@ -30,9 +32,9 @@ from typing import Iterable, Optional, Union
 
 import duckdb
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from . import delta as dl
+from . import storage as st
 from .catalog import DELTA_TABLES, HIVE_TYPES, PARTITION, SCHEMAS, SEAT, TABLES, VIEWS, data_tables, with_partitions
 
 __all__ = ["SCHEMAS", "PARTITION", "SEAT", "TABLES"]
@@ -45,11 +47,9 @@ def now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def table_dir(lake: Lake, table: str, run: str, part: Optional[int] = None) -> Path:
-    d = Path(lake) / table / f"run={run}"
-    if part is not None:
-        d = d / f"{PARTITION[table]}={part}"
-    return d
+def table_dir(lake: Lake, table: str, run: str, part: Optional[int] = None) -> str:
+    parts = [table, f"run={run}"] + ([f"{PARTITION[table]}={part}"] if part is not None else [])
+    return st.join(lake, *parts)
 
 
 def _as_table(table: str, data: Union[pa.Table, list[dict]]) -> pa.Table:
@@ -63,23 +63,15 @@ def _as_table(table: str, data: Union[pa.Table, list[dict]]) -> pa.Table:
     return data.select(schema.names).cast(schema).replace_schema_metadata(data.schema.metadata)
 
 
-def _write_file(lake: Lake, table: str, run: str, part: Optional[int], key: str, data: pa.Table) -> Path:
-    """Write one Parquet file to a temp name, check its footer, rename it into place."""
-    d = table_dir(lake, table, run, part)
-    d.mkdir(parents=True, exist_ok=True)
-    final = d / f"{key}.parquet"
-    tmp = d / f".{key}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        pq.write_table(data, tmp, compression="zstd")
-        pq.read_metadata(tmp)  # a torn write fails here, never behind the final name
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
+def _write_file(lake: Lake, table: str, run: str, part: Optional[int], key: str, data: pa.Table) -> str:
+    """Write one Parquet file of a partition; no reader sees it half written (storage.write_parquet)."""
+    final = st.join(table_dir(lake, table, run, part), f"{key}.parquet")
+    st.write_parquet(final, data)
     return final
 
 
 def write_table(lake: Lake, table: str, run: str, part: Optional[int], key: str,
-                data: Union[pa.Table, list[dict]], exclusive: bool = False) -> Path:
+                data: Union[pa.Table, list[dict]], exclusive: bool = False) -> str:
     """Write one file of a table and return its path.
 
     Data tables (games, turns, learner_steps): a file, invisible until its partition's marker is
@@ -97,26 +89,23 @@ def write_table(lake: Lake, table: str, run: str, part: Optional[int], key: str,
     return path
 
 
-def is_whole_parquet(path: Path) -> bool:
+def is_whole_parquet(path: st.Location) -> bool:
     """Cheap check for a complete Parquet file: magic bytes at both ends."""
     try:
-        size = path.stat().st_size
-        if size < 12:
+        if (st.size(path) or 0) < 12:
             return False
-        with open(path, "rb") as f:
-            head = f.read(4)
-            f.seek(-4, os.SEEK_END)
-            return head == _PARQUET_MAGIC and f.read(4) == _PARQUET_MAGIC
+        head, tail = st.read_ends(path, 4)
+        return head == _PARQUET_MAGIC and tail == _PARQUET_MAGIC
     except OSError:
         return False
 
 
-def why_not_belongs(path: Path, table: str) -> Optional[str]:
+def why_not_belongs(path: st.Location, table: str) -> Optional[str]:
     """None if the file fits the table (whole, key columns with their types), else why not."""
     if not is_whole_parquet(path):
         return "not a whole Parquet file (torn write?)"
     try:
-        schema = pq.read_schema(path)
+        schema = st.read_schema(path)
     except Exception as e:  # noqa: BLE001 - any unreadable footer is a foreign file
         return f"unreadable footer ({e})"
     want = TABLES[table].schema
@@ -128,9 +117,9 @@ def why_not_belongs(path: Path, table: str) -> Optional[str]:
     return None
 
 
-def attempt_of(path: Path) -> Optional[str]:
+def attempt_of(path: st.Location) -> Optional[str]:
     """The attempt id in a file's name (`task-0003.<attempt>.parquet`), if any."""
-    parts = path.name.split(".")
+    parts = st.name(path).split(".")
     return parts[1] if len(parts) == 3 else None
 
 
@@ -142,18 +131,19 @@ def partition_files(lake: Lake, table: str, run: str, part: int, attempt: Option
     table's schema; anything else there is skipped with a warning."""
     d = table_dir(lake, table, run, part)
     out = []
-    for p in sorted(d.glob("*.parquet")) if d.is_dir() else []:
-        if p.name.startswith(".") or (attempt is not None and attempt_of(p) != attempt):
+    for p in st.list_dir(d):
+        n = st.name(p)
+        if n.startswith(".") or not n.endswith(".parquet") or (attempt is not None and attempt_of(p) != attempt):
             continue
         why = why_not_belongs(p, table)
         if why is None:
-            out.append(str(p.relative_to(Path(lake) / table)))
+            out.append(f"run={run}/{PARTITION[table]}={part}/{n}")
         else:
             log.warning("lake: not committing %s: %s", p, why)
     return out
 
 
-def commit_marker(lake: Lake, marker: str, run: str, part: int, key: str, row: dict) -> Path:
+def commit_marker(lake: Lake, marker: str, run: str, part: int, key: str, row: dict) -> str:
     """Commit a partition (round or learner iteration): claim, apply its data files, publish.
 
     FileExistsError when the partition is already claimed (by another driver, or an earlier run)."""
@@ -167,16 +157,16 @@ def commit_marker(lake: Lake, marker: str, run: str, part: int, key: str, row: d
     try:
         claim_and_publish(lake, marker, run, part, path, files)
     except FileExistsError:
-        path.unlink(missing_ok=True)
+        st.delete(path)
         raise
     return path
 
 
-def claim_and_publish(lake: Lake, marker: str, run: str, part: int, marker_file: Path,
+def claim_and_publish(lake: Lake, marker: str, run: str, part: int, marker_file: st.Location,
                       files: dict[str, list[str]]) -> None:
     """Steps 1-3 of a commit for a marker file already written (also used by `migrate`)."""
     app = dl.app_id(run, PARTITION[marker], part)
-    rel = str(marker_file.relative_to(Path(lake) / marker))
+    rel = f"run={run}/{PARTITION[marker]}={part}/{st.name(marker_file)}"
     if not dl.commit(lake, marker, [], app=app, metadata={"unstable_dask.claim": app, "unstable_dask.marker": rel}):
         raise FileExistsError(f"{marker} {app} was committed by another writer in lake {lake}")
     _publish(lake, marker, app, rel, files)
@@ -201,7 +191,7 @@ def finish_commits(lake: Lake, marker: str, run: str) -> list[int]:
         if meta is None:
             return done
         rel = meta["unstable_dask.marker"]
-        names = pq.read_table(Path(lake) / marker / rel, columns=["files"]).column(0)[0].as_py() or []
+        names = st.read_table(st.join(lake, marker, rel), columns=["files"]).column(0)[0].as_py() or []
         files: dict[str, list[str]] = {t: [] for t in data_tables(marker)}
         for name in names:
             t, r = name.split("/", 1)
@@ -236,11 +226,11 @@ def remove_other_attempts(lake: Lake, marker: str, run: str, part: int, attempt:
     files of writers killed mid-write: once the partition is committed none can ever count."""
     removed = 0
     for table in data_tables(marker):
-        d = table_dir(lake, table, run, part)
-        for p in d.iterdir() if d.is_dir() else []:
-            stale_tmp = p.name.startswith(".") and p.name.endswith(".tmp")
-            if stale_tmp or (p.suffix == ".parquet" and attempt_of(p) != attempt):
-                p.unlink(missing_ok=True)
+        for p in st.list_dir(table_dir(lake, table, run, part)):
+            n = st.name(p)
+            stale_tmp = n.startswith(".") and n.endswith(".tmp")
+            if stale_tmp or (n.endswith(".parquet") and attempt_of(p) != attempt):
+                st.delete(p)
                 removed += 1
     return removed
 
@@ -253,8 +243,9 @@ def last_committed_round(lake: Lake, run: str) -> Optional[int]:
 
 def _replace_files(lake: Lake, table: str) -> list[str]:
     """A replace table's files: one per run (a listing of the run folders, not of the data)."""
-    root = Path(lake) / table
-    return sorted(str(p) for p in root.glob("run=*/*.parquet") if not p.name.startswith(".") and is_whole_parquet(p))
+    return [p for run_dir in st.list_dir(st.join(lake, table)) if st.name(run_dir).startswith("run=")
+            for p in st.list_dir(run_dir)
+            if p.endswith(".parquet") and not st.name(p).startswith(".") and is_whole_parquet(p)]
 
 
 # Marker tables are read before data tables: a commit applies data files before it publishes the
@@ -263,16 +254,22 @@ def _replace_files(lake: Lake, table: str) -> list[str]:
 READ_ORDER = tuple(sorted(DELTA_TABLES, key=lambda t: TABLES[t].rule != "marker"))
 
 
-def snapshot_files(lake: Lake, versions: Optional[dict[str, int]] = None) -> dict[str, tuple[list[str], bool, Optional[int]]]:
-    """table -> (absolute paths of its committed files, files differ in columns, Delta version).
+def snapshot_files(lake: Lake, versions: Optional[dict[str, int]] = None,
+                   tables: Optional[Iterable[str]] = None) -> dict[str, tuple[list[str], bool, Optional[int]]]:
+    """table -> (absolute paths of its committed files, files differ in columns, Delta version),
+    for every table or those in `tables`.
 
     Data files count only in partitions whose marker is published; `versions` reads Delta
     tables as of those versions (time travel), the others as of now."""
     versions = versions or {}
-    root = Path(lake).resolve()
-    snaps = {t: dl.snapshot(lake, t, versions.get(t)) for t in READ_ORDER}
+    root = st.root(lake)
+    wanted = set(TABLES if tables is None else tables)
+    logs = wanted | {TABLES[t].marker for t in wanted if TABLES[t].marker is not None}
+    snaps = {t: dl.snapshot(lake, t, versions.get(t)) for t in READ_ORDER if t in logs}
     out = {}
     for t, s in snaps.items():
+        if t not in wanted:
+            continue
         # The log keeps no useful order; readers get (run, round/iteration, name) order, the
         # order a table scan without ORDER BY returns rows in, so that it is stable.
         keep = sorted(range(len(s.paths)), key=lambda i: (s.runs[i], s.parts[i] if s.parts[i] is not None else -1, s.paths[i]))
@@ -280,16 +277,17 @@ def snapshot_files(lake: Lake, versions: Optional[dict[str, int]] = None) -> dic
         if marker is not None:
             published = set(zip(snaps[marker].runs, snaps[marker].parts))
             keep = [i for i in keep if (s.runs[i], s.parts[i]) in published]
-        out[t] = ([str(root / t / s.paths[i]) for i in keep], s.mixed, s.version)
+        out[t] = ([st.join(root, t, s.paths[i]) for i in keep], s.mixed, s.version)
     for t in TABLES:
-        if t not in out:
+        if t in wanted and t not in out:
             out[t] = (_replace_files(lake, t), True, None)
     return out
 
 
-def visible_files(lake: Lake, table: str) -> list[Path]:
-    """Files a reader sees: committed data, published markers, the runs' ratings files."""
-    return [Path(p) for p in snapshot_files(lake)[table][0]]
+def visible_files(lake: Lake, table: str) -> list[str]:
+    """Files a reader sees: committed data, published markers, the runs' ratings files (reads
+    the log of `table` and of its marker table only)."""
+    return snapshot_files(lake, tables=[table])[table][0]
 
 
 def committed_rounds(lake: Lake, run: Optional[str] = None) -> set[tuple[str, int]]:
@@ -371,9 +369,12 @@ def connect(lake: Lake = "lake", read_only: bool = True,
     write nothing.
     """
     con = duckdb.connect(":memory:")
+    st.register_duckdb(con, lake)
     create_views(con, lake, versions)
     if read_only:
-        root = str(Path(lake).resolve()) + os.sep
+        # (an object store's files are read through the registered fsspec filesystem, which these
+        # settings do not confine: user SQL there reads what the credentials allow, and writes nothing)
+        root = st.root(lake) + ("/" if st.is_remote(lake) else os.sep)
         con.execute("SET allowed_directories = [?]", [root])
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
@@ -397,9 +398,9 @@ def check_select_only(con: duckdb.DuckDBPyConnection, sql: str, what: str = "SQL
         statements = con.extract_statements(sql)
     except duckdb.Error as e:
         raise JobError(f"{what}: does not parse ({str(e).splitlines()[0]})") from None
-    for st in statements:
-        if st.type != duckdb.StatementType.SELECT:
-            raise JobError(f"{what}: only SELECT queries may run against the lake, got a {st.type.name} statement")
+    for stmt in statements:
+        if stmt.type != duckdb.StatementType.SELECT:
+            raise JobError(f"{what}: only SELECT queries may run against the lake, got a {stmt.type.name} statement")
 
 
 def query(lake: Lake, sql: str, params: Iterable = ()) -> pa.Table:
@@ -428,9 +429,12 @@ def read_table(lake: Lake, table: str, where: str = "", params: Iterable = ()) -
         con.close()
 
 
-def refresh_catalog(lake: Lake) -> Path:
+def refresh_catalog(lake: Lake) -> Optional[Path]:
     """Rewrite <lake>/lake.duckdb: views over the committed snapshot for the duckdb shell
-    (`duckdb lake/lake.duckdb`). Called after every commit, so the shell never lags."""
+    (`duckdb lake/lake.duckdb`). Called after every commit, so the shell never lags. Not for an
+    object-store lake (None): the shell has no s3fs; `run sql` reads it."""
+    if st.is_remote(lake):
+        return None
     lake = Path(lake)
     lake.mkdir(parents=True, exist_ok=True)
     final = lake / "lake.duckdb"

@@ -20,8 +20,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -33,6 +33,7 @@ import pyarrow as pa
 
 from . import algorithms
 from . import lake as lk
+from . import storage as st
 from .catalog import LEARNER_STEPS
 from .config import Job, JobError
 from .rewards import batch_query, parse_transforms, run_batch_query, window_rounds
@@ -89,7 +90,7 @@ def plan(job: Job) -> Optional[Plan]:
     if parent is not None and max(parent["rounds_trained"] or [-1]) >= rounds[-1]:
         return None
     k = (parent["iteration"] if parent else 0) + 1
-    adapter = str(Path(lake) / parent["adapter_path"]) if parent and parent["adapter_path"] else None
+    adapter = st.join(lake, parent["adapter_path"]) if parent and parent["adapter_path"] else None
     return Plan(run, k, f"ckpt-{k}", parent["uid"] if parent else "base", adapter, rounds, versions)
 
 
@@ -227,7 +228,7 @@ def _train(job: Job, p: Plan, device: str) -> LearnResult:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()  # cuda_mem_peak is the update's own, not the engine's generate
     try:
-        trainer = Trainer(job, p.parent_adapter, torch.device(device))
+        trainer = Trainer(job, st.local_dir(p.parent_adapter) if p.parent_adapter else None, torch.device(device))
         steps = []
         for u in range(job.learn.updates_per_round):
             con = lk.connect(job.run.lake, versions=p.versions)
@@ -248,7 +249,7 @@ def _train(job: Job, p: Plan, device: str) -> LearnResult:
         # replace the adapter or steps of the attempt that committed it.
         attempt = uuid.uuid4().hex[:8]
         rel = f"adapters/{p.run}/{p.uid}.{attempt}"
-        _save_atomic(trainer, Path(job.run.lake) / rel)
+        _save_atomic(trainer, st.join(job.run.lake, rel))
     finally:
         t = time.perf_counter()
         for e in engines:
@@ -263,24 +264,27 @@ def _train(job: Job, p: Plan, device: str) -> LearnResult:
             attempt=attempt, uid=p.uid, parent_uid=p.parent_uid, adapter_path=rel, base_model=job.model.base,
             rounds_trained=p.rounds, algorithm=job.learn.algorithm, created_at=lk.now())], exclusive=True)
     except FileExistsError:
-        shutil.rmtree(Path(job.run.lake) / rel, ignore_errors=True)
+        st.delete(st.join(job.run.lake, rel))
         raise JobError(f"{p.uid} of run '{p.run}' was committed by another learner while this one trained; "
                        "nothing of this attempt is visible") from None
     lk.remove_other_attempts(job.run.lake, "checkpoints", p.run, p.iteration, attempt)
-    for stale in (Path(job.run.lake) / "adapters" / p.run).glob(f"{p.uid}.*"):  # killed attempts' adapters
-        if stale.name != f"{p.uid}.{attempt}" and stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
+    for stale in st.list_dir(st.join(job.run.lake, "adapters", p.run)):  # killed attempts' adapters
+        if st.name(stale).startswith(f"{p.uid}.") and st.name(stale) != f"{p.uid}.{attempt}" and st.is_dir(stale):
+            st.delete(stale)
     return LearnResult(p.run, p.iteration, p.uid, rel, p.rounds, steps)
 
 
-def _save_atomic(trainer, final: Path) -> None:
-    """Adapter dir written under a temp name and renamed: a reader never sees half an adapter."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
+def _save_atomic(trainer, final: str) -> None:
+    """Adapter dir saved under a temp name, then moved (renamed, or uploaded to an object store)
+    to `final`, this attempt's own name: no reader sees half an adapter, since only the checkpoint
+    commit after it names it."""
+    parent = Path(final).parent if not st.is_remote(final) else Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".{st.name(final)}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         trainer.save(tmp)
         (tmp / "trainer_state.json").write_text(json.dumps({"updates": trainer.updates}))
-        os.replace(tmp, final)  # `final` is this attempt's own name: nothing to replace
+        st.put_dir(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from unstable_dask.config import JobError
+from unstable_dask.storage import cache_root
 
 # Bump a suffix when a recipe changes, so stale caches are never reused.
 TINY_DIR = "tiny-v1"
@@ -61,10 +62,6 @@ _TEMPLATE_TEXTS = [
 ]
 CORPUS_ENVS = ["SimpleTak-v0-train", "KuhnPoker-v0-train", "TicTacToe-v0-train"]
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("UNSTABLE_DASK_CACHE") or Path.home() / ".cache" / "unstable_dask")
 
 
 def resolve_model(base: str) -> str:

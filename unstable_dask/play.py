@@ -22,6 +22,7 @@ import textarena as ta
 
 from . import endpoints as endpoints_mod
 from . import lake as lk
+from . import storage as st
 from .agents import random_move
 from .config import EndpointConfig, ModelConfig, RoundConfig
 from .schedule import GameSpec, TaskSpec
@@ -166,7 +167,7 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
             adapter = None
             if adapter_path is not None:
                 from .engines import Adapter
-                adapter = Adapter(reqs[0][3], adapter_path)
+                adapter = Adapter(reqs[0][3], st.local_dir(adapter_path))  # an object store's: downloaded once
             t = time.perf_counter()
             # Seeded per (task, step, adapter): a round replays the same samples on the hf engine. The
             # first game's id tells tasks apart (one group's seed can lead two tasks); its seed, runs.

@@ -29,15 +29,13 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import trueskill
 
-from . import bradley_terry, catalog, lake
+from . import bradley_terry, catalog, lake, storage
 from .config import Job, JobError, RatingsConfig
 from .duels import FAST, MIRROR, MULTI, SOLO, dense_ranks, enter_track, make_env, package_rate, replay_duels
 
@@ -58,7 +56,7 @@ class RatingsResult:
     skipped_games: int  # missing reward or model_uid
     rounds: list[int]
     incremental: bool
-    paths: list[Path] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def __str__(self) -> str:
@@ -111,17 +109,17 @@ def _fingerprint(cfg: RatingsConfig, models: list[str], parent_of: dict[str, str
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _state_path(lake_dir: Path, run: str) -> Path:
-    return lake.table_dir(lake_dir, "ratings_state", run) / "state.parquet"
+def _state_path(lake_dir: lake.Lake, run: str) -> str:
+    return storage.join(lake.table_dir(lake_dir, "ratings_state", run), "state.parquet")
 
 
-def _load_state(lake_dir: Path, run: str, cfg: RatingsConfig, parent_of: dict[str, str],
+def _load_state(lake_dir: lake.Lake, run: str, cfg: RatingsConfig, parent_of: dict[str, str],
                 committed: list[int]) -> Optional[tuple[pa.Table, list[int]]]:
     """The saved state, if it may be extended by the rounds committed since; else None."""
     path = _state_path(lake_dir, run)
     if not lake.is_whole_parquet(path):
         return None
-    table = pq.read_table(path)
+    table = storage.read_table(path)
     meta = json.loads(table.schema.metadata[b"unstable_dask"])
     done = meta["rounds"]
     models = sorted(set(table.column("model_uid").to_pylist()) | set(table.column("model_b").drop_null().to_pylist()))
@@ -331,7 +329,7 @@ def rate(job: Job, full: bool = False) -> RatingsResult:
     `full=True` ignores the saved replay state (the result is the same, only slower).
     """
     t0 = time.perf_counter()
-    cfg, run, lake_dir = job.ratings, job.run.name, Path(job.run.lake)
+    cfg, run, lake_dir = job.ratings, job.run.name, job.run.lake
     committed = sorted(r for _, r in lake.committed_rounds(lake_dir, run))
     con = lake.connect(lake_dir)
     try:
@@ -352,9 +350,9 @@ def rate(job: Job, full: bool = False) -> RatingsResult:
     todo = [r for r in committed if r not in set(done)]
     snaps = _replay(st, cfg, duels, rounds, todo)
 
-    history_path = lake.table_dir(lake_dir, "rating_history", run) / "rating_history.parquet"
+    history_path = storage.join(lake.table_dir(lake_dir, "rating_history", run), "rating_history.parquet")
     if done and lake.is_whole_parquet(history_path):
-        prev = pq.read_table(history_path).cast(SCHEMAS["rating_history"])
+        prev = storage.read_table(history_path).cast(SCHEMAS["rating_history"])
         snaps.insert(0, prev.filter(pa.compute.is_in(prev.column("round"), pa.array(done, pa.int64()))))
     history = _sorted(pa.concat_tables(snaps) if snaps else SCHEMAS["rating_history"].empty_table(),
                       [("round", "ascending"), ("env_id", "ascending"), ("model_uid", "ascending")])

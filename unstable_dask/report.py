@@ -186,7 +186,7 @@ def _table_exists(con, name: str) -> bool:
     return bool(con.sql("SELECT count(*) FROM duckdb_views() WHERE view_name = ?", params=[name]).fetchall()[0][0])
 
 
-def gather(lake_dir: Path, run: str) -> dict[str, Any]:
+def gather(lake_dir: lake.Lake, run: str) -> dict[str, Any]:
     """Everything the run page shows, as plain Python values."""
     con = lake.connect(lake_dir)
     try:
@@ -339,7 +339,7 @@ def _write(path: Path, text: str) -> None:
 
 def report(job: Job) -> Path:
     """Write reports/<run>/index.html for job.run.name and refresh reports/index.html; return the page."""
-    lake_dir, root, run = Path(job.run.lake), Path(job.run.reports), job.run.name
+    lake_dir, root, run = job.run.lake, Path(job.run.reports), job.run.name
     env = _env()
     page = root / run / "index.html"
     _write(page, env.get_template("run.html.j2").render(**gather(lake_dir, run)))
@@ -350,7 +350,7 @@ def report(job: Job) -> Path:
     return page
 
 
-def _summary(lake_dir: Path, run: str) -> dict[str, Any]:
+def _summary(lake_dir: lake.Lake, run: str) -> dict[str, Any]:
     con = lake.connect(lake_dir)
     try:
         rounds, games = con.sql("SELECT count(DISTINCT round), coalesce(sum(games), 0) FROM rounds WHERE run = ?",

@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .config import Job, JobError, load_job
+from .storage import is_remote, root
 
 console = Console()
 err = Console(stderr=True)
@@ -69,7 +70,7 @@ def cmd_round(args, eval_only: bool = False) -> None:
                   f"{s.games} games, {s.turns} turns, {s.completion_tokens} completion tokens in {s.wall_s:.1f} s "
                   f"({s.tokens_per_s:.0f} tok/s)")
     _print_table(round_stats(job.run.lake, s.run, s.round), title="per model (seats)")
-    console.print(f"lake: {os.path.abspath(job.run.lake)}  (try: python -m unstable_dask.run sql "
+    console.print(f"lake: {root(job.run.lake)}  (try: python -m unstable_dask.run sql "
                   f"\"SELECT split, count(*) FROM games GROUP BY split\" --lake {job.run.lake})")
     if job.model.base == "builtin:tiny":
         console.print(TINY_NOTE, highlight=False)
@@ -122,7 +123,7 @@ def cmd_rate(args) -> None:
         round(conservative, 2) AS conservative, games, wins, draws, losses, round(bt_score) AS bt, rank
         FROM ratings WHERE run = ? AND env_id = '*' ORDER BY conservative DESC""", [job.run.name]).to_pylist(),
                  title=f"leaderboard: {job.run.name}")
-    console.print(f"ratings: {os.path.abspath(job.run.lake)}/ratings/run={job.run.name}/")
+    console.print(f"ratings: {root(job.run.lake)}/ratings/run={job.run.name}/")
 
 
 def cmd_report(args) -> None:
@@ -142,7 +143,7 @@ def cmd_track(args) -> None:
                        "e.g. --set 'run.trackers=[\"wandb\"]'")
     from .trackers import sync
     for name, n in sync(job).items():
-        console.print(f"{name}: {n} new rows logged from {os.path.abspath(job.run.lake)} (run {job.run.name})")
+        console.print(f"{name}: {n} new rows logged from {root(job.run.lake)} (run {job.run.name})")
 
 
 def cmd_loop(args) -> None:
@@ -160,7 +161,7 @@ def cmd_compact(args) -> None:
     out = compact(lake, run=args.run, target_mb=args.target_mb)
     _print_table([{"table": t, "files removed": r, "files added": a} for t, (r, a) in out.items()],
                  title=f"compacted {'run ' + args.run if args.run else 'every run'}")
-    console.print(f"lake: {os.path.abspath(lake)}  (the replaced files stay until `run vacuum`)")
+    console.print(f"lake: {root(lake)}  (the replaced files stay until `run vacuum`)")
 
 
 def cmd_vacuum(args) -> None:
@@ -170,17 +171,17 @@ def cmd_vacuum(args) -> None:
         raise JobError(f"--retention-hours: expected a number >= 0, got {args.retention_hours}")
     removed = vacuum(lake, args.retention_hours)
     console.print(f"vacuum: {len(removed)} file(s) replaced more than {args.retention_hours:g} h ago removed "
-                  f"from {os.path.abspath(lake)}")
+                  f"from {root(lake)}")
 
 
 def cmd_migrate(args) -> None:
     from .migrate import migrate
     lake = _lake_of(args)
-    if not os.path.isdir(lake):
-        raise JobError(f"--lake {lake!r}: no such folder")
+    if is_remote(lake) or not os.path.isdir(lake):
+        raise JobError(f"--lake {lake!r}: no such folder (migrate converts a local lake written before the Delta format)")
     out = migrate(lake)
     if not out:
-        console.print(f"migrate: {os.path.abspath(lake)} has no commit outside its Delta log; nothing to do")
+        console.print(f"migrate: {root(lake)} has no commit outside its Delta log; nothing to do")
         return
     _print_table([{"table": t, "rows": n, "checksum": c} for t, (n, c) in out.items()],
                  title="migrated: rows and checksums equal before and after")
@@ -228,14 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dry-run", action="store_true", help="print the batch script that would be submitted")
     sp = sub.add_parser("sql", help="run a SELECT over the committed lake")
     sp.add_argument("query")
-    sp.add_argument("--lake", help="lake folder (default: the job's, else ./lake)")
+    sp.add_argument("--lake", help="lake folder or s3:// URI (default: the job's, else ./lake)")
     sp.add_argument("--job")
     sp.add_argument("--format", choices=["table", "csv", "json"], default="table")
     sp.add_argument("--limit", type=int, default=50, help="rows shown in table format")
 
     def lake_cmd(name: str, help: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help)
-        sp.add_argument("--lake", help="lake folder (default: the job's, else ./lake)")
+        sp.add_argument("--lake", help="lake folder or s3:// URI (default: the job's, else ./lake)")
         sp.add_argument("--job")
         return sp
 

@@ -18,6 +18,7 @@ import textarena as ta
 import trueskill
 
 from . import lake as lk
+from . import storage as st
 from .config import BASE_UID, RANDOM_UID, EnvSpec, Job, JobError, opponent_error
 from .duels import inherited, make_env
 
@@ -63,7 +64,7 @@ class TaskSpec:
 @dataclass(frozen=True)
 class Checkpoint:
     uid: str
-    adapter: Optional[str]  # absolute path, None for the base model
+    adapter: Optional[str]  # absolute path or URI, None for the base model
     iteration: int
     parent_uid: Optional[str] = None  # the checkpoint it was trained from (None for the base model)
 
@@ -75,7 +76,7 @@ def list_checkpoints(lake: str, run: str) -> list[Checkpoint]:
         rows = lk.read_table(lake, "checkpoints", "run = ?", [run]).to_pylist()
         for r in sorted(rows, key=lambda r: r["iteration"]):
             path = r["adapter_path"]
-            out.append(Checkpoint(r["uid"], str(Path(lake) / path) if path else None, r["iteration"], r["parent_uid"]))
+            out.append(Checkpoint(r["uid"], st.join(st.root(lake), path) if path else None, r["iteration"], r["parent_uid"]))
     return out
 
 
