@@ -98,6 +98,22 @@ def test_a_deleted_file_of_a_committed_round_on_s3_is_named(s3):
         lk.query(lake, "SELECT count(*) FROM games")
 
 
+def test_compact_vacuum_and_time_travel_on_s3(s3):
+    from test_delta_lake import _round
+    from unstable_dask.maintain import checksums, compact, vacuum
+    lake = s3()
+    for rnd in range(2):
+        _round(lake, rnd, f"a{rnd}", n=3)
+        lk.commit_round(lake, "r", rnd, {"attempt": f"a{rnd}", "checkpoint_uid": "base"})
+    before, then = checksums(lk.connect(lake)), lk.table_versions(lake)
+    assert compact(lake, run="r")["games"] == (6, 2)
+    assert len(lk.visible_files(lake, "games")) == 2 and checksums(lk.connect(lake)) == before
+    removed = vacuum(lake, retention_hours=0)
+    assert len(removed) == 12 and not any(storage.size(f"{lake}/{p}") for p in removed)
+    assert checksums(lk.connect(lake)) == before
+    assert lk.table_versions(lake)["games"] > then["games"]
+
+
 @pytest.mark.slow
 def test_round_learn_round_rate_report_on_s3(s3, tmp_path, monkeypatch):
     """The whole cycle on an s3:// lake: Dask workers write rounds there, the learner reads its

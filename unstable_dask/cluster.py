@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional
 
 import dask
 from dask.utils import parse_bytes
-from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
+from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster, WorkerPlugin
 
 from .config import ClusterConfig, JobError
 from .jobqueue import JOBQUEUE_KINDS, job_script, open_jobqueue_cluster, parse_duration
@@ -156,7 +156,18 @@ def _scheduler_options(cfg: ClusterConfig) -> dict[str, Any]:
     return {"dashboard_address": ":0", "dashboard": cfg.dashboard}
 
 
-def _announce(client: Client, cfg: ClusterConfig) -> None:
+class CloseEngines(WorkerPlugin):
+    """Closes a worker's resident engines when the worker shuts down (engines.close_resident)."""
+    name = "unstable-dask-close-engines"
+
+    def teardown(self, worker) -> None:
+        from .engines import close_resident
+        close_resident()
+
+
+def _prepare(client: Client, cfg: ClusterConfig) -> None:
+    """Every client we open: engines closed with their worker; the dashboard link printed."""
+    client.register_plugin(CloseEngines())
     if cfg.dashboard and client.dashboard_link:
         print(f"dask dashboard: {client.dashboard_link}", file=sys.stderr, flush=True)
 
@@ -192,7 +203,7 @@ def open_client(cfg: ClusterConfig) -> Iterator[Client]:
         except OSError as e:
             raise JobError(f"cluster.address {cfg.address!r}: no scheduler answered ({e})") from None
         with client:
-            _announce(client, cfg)
+            _prepare(client, cfg)
             yield client
         return
 
@@ -219,5 +230,5 @@ def open_client(cfg: ClusterConfig) -> Iterator[Client]:
         else:
             raise JobError(f"cluster.kind {cfg.kind!r} is not supported")
         with cluster, Client(cluster) as client:
-            _announce(client, cfg)
+            _prepare(client, cfg)
             yield client

@@ -293,6 +293,13 @@ def resident_engines() -> list[Engine]:
         return list(_ENGINES.values())
 
 
+def close_resident() -> None:
+    """Close every resident engine of this process (a worker shutting down): vLLM's engine-core
+    process would otherwise outlive its worker, orphaned and holding memory."""
+    for engine in resident_engines():
+        engine.close()  # closing one view closes its siblings; a second close is a no-op
+
+
 def get_engine(cfg: ModelConfig) -> Engine:
     """The engine for `cfg`, built on first use and reused by every later task in this process.
 
