@@ -83,6 +83,17 @@ class RunConfig(_Strict):
     # Experiment trackers the lake is mirrored to (trackers.py) after each commit and by `run track`.
     trackers: list[Literal["wandb", "mlflow"]] = []
 
+    @field_validator("lake")
+    @classmethod
+    def _storage(cls, v: str) -> str:
+        import importlib.util
+        if "://" in v:
+            if not v.startswith("s3://") or len(v) <= len("s3://"):
+                raise ValueError("a lake is a local folder or an s3://bucket/prefix URI (S3 or an S3-compatible store)")
+            if importlib.util.find_spec("s3fs") is None:
+                raise ValueError("an s3:// lake needs s3fs, which is not installed: pip install 'unstable-dask[s3]'")
+        return v
+
     @field_validator("trackers")
     @classmethod
     def _installed(cls, v: list[str]) -> list[str]:
