@@ -15,7 +15,7 @@ import pyarrow as pa
 import torch
 from common import row, save
 
-from unstable_dask.config import validate_job
+from unstable_dask.jobfile import validate_job
 from unstable_dask.trainer import Trainer
 
 

@@ -93,7 +93,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from rich.console import Console
-    from unstable_dask.config import load_job
+    from unstable_dask.jobfile import load_job
     from unstable_dask.loop import loop
     from unstable_dask.run import parse_set
     job = load_job(args.job, parse_set(args.set))

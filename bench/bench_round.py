@@ -40,7 +40,7 @@ def main() -> None:
 
     import duckdb
     from unstable_dask.cluster import open_client
-    from unstable_dask.config import load_job
+    from unstable_dask.jobfile import load_job
     from unstable_dask.engines import get_engine
     from unstable_dask.play import play_task
     from unstable_dask.round import play_round

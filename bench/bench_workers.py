@@ -33,7 +33,7 @@ SLURM_DIR = os.environ.get("SLURM_LOCAL_DIR", "/tmp/unstable-dask-slurm")
 
 def games_per_s(n_workers: int, games: int, repeats: int, tmp: str) -> dict:
     from unstable_dask.cluster import open_client
-    from unstable_dask.config import load_job
+    from unstable_dask.jobfile import load_job
     from unstable_dask.round import play_round
 
     # Equal tasks, several per worker, so both layouts get the same work in the same pieces.

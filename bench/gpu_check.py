@@ -146,7 +146,7 @@ def main() -> None:
               "the CPU path is covered by `make test`", file=sys.stderr)
         sys.exit(2)
 
-    from unstable_dask.config import load_job
+    from unstable_dask.jobfile import load_job
 
     info = _gpu_info()
     backend = args.backend
@@ -243,7 +243,7 @@ def _loop_stage(ljob) -> dict:
 def _learn_once(job_path: str, over: dict) -> dict:
     """One learner update in this (fresh) process; its learner_steps row."""
     from unstable_dask import lake as lk
-    from unstable_dask.config import load_job
+    from unstable_dask.jobfile import load_job
     from unstable_dask.learn import learn
     job = load_job(job_path, over)
     learn(job)
@@ -258,7 +258,7 @@ def _quant_stage(job_path: str, over: dict) -> dict:
     from concurrent.futures import ProcessPoolExecutor
 
     from unstable_dask.cluster import open_client
-    from unstable_dask.config import load_job
+    from unstable_dask.jobfile import load_job
     from unstable_dask.round import play_round
     job = load_job(job_path, over)
     with open_client(job.cluster) as client:

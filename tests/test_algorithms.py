@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from unstable_dask import algorithms
-from unstable_dask.config import JobError, load_job
+from unstable_dask.config import JobError
+from unstable_dask.jobfile import load_job
 
 
 @pytest.mark.parametrize("name", list(algorithms.ALGORITHMS))
@@ -24,7 +25,7 @@ def test_every_algorithm_file_declares_spec_args_update_and_math(name):
 
 
 def test_loading_a_job_does_not_import_torch():
-    code = ("import sys\nfrom unstable_dask.config import load_job\n"
+    code = ("import sys\nfrom unstable_dask.jobfile import load_job\n"
             "for a in ('reinforce', 'a2c', 'grpo', 'gspo'):\n"
             "    load_job(None, {'learn.algorithm': a, 'round.group_size': 4, 'round.train_games': 16})\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")

@@ -13,7 +13,7 @@ import pytest
 from test_report import opened
 from unstable_dask import lake as lk
 from unstable_dask import ratings, report
-from unstable_dask.config import load_job
+from unstable_dask.jobfile import load_job
 
 
 def _counts(games: list[dict]) -> dict[tuple[str, str, str], list[int]]:

@@ -212,7 +212,7 @@ def test_readme_column_tables_are_generated_from_the_catalog():
 def test_loop_compacts_every_k_rounds(tmp_path):
     """`run.compact_every = 2`: after rounds 0 and 1 the loop merges the run's per-task files, one
     file per round and table, and the tables read as the rounds wrote them."""
-    from unstable_dask.config import load_job
+    from unstable_dask.jobfile import load_job
     from unstable_dask.loop import loop
     job = load_job(None, {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),
                           "run.compact_every": 2, "round.train_games": 4, "round.eval_games": 0,

@@ -14,7 +14,8 @@ from typing import Callable
 import pyarrow.parquet as pq
 import pytest
 
-from unstable_dask.config import EndpointConfig, JobError, ModelConfig, RoundConfig, load_job
+from unstable_dask.config import EndpointConfig, JobError, ModelConfig, RoundConfig
+from unstable_dask.jobfile import load_job
 from unstable_dask.play import play_task
 from unstable_dask.schedule import RANDOM_UID, GameSpec, Seat, TaskSpec
 

@@ -104,7 +104,7 @@ def client():
 
 
 def _job(tmp_path: Path, url: str, **over):
-    from unstable_dask.config import load_job
+    from unstable_dask.jobfile import load_job
     endpoint = {"base_url": url, "model": SERVED, "api_key_env": "TINY_ENDPOINT_KEY", "max_concurrency": 4,
                 "max_retries": 1, "timeout": 120}
     kuhn = [{"env_id": "KuhnPoker-v0-train", "num_actors": 1, "opponents": ["tiny"]}]

@@ -12,7 +12,8 @@ import pyarrow as pa
 import pytest
 
 from unstable_dask import lake as lk
-from unstable_dask.config import ClusterConfig, JobError, load_job
+from unstable_dask.config import ClusterConfig, JobError
+from unstable_dask.jobfile import load_job
 from unstable_dask.migrate import migrate
 from unstable_dask.round import play_round
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from unstable_dask import lake as lk
-from unstable_dask.config import load_job
+from unstable_dask.jobfile import load_job
 from unstable_dask.learn import build_query, learn, plan
 from unstable_dask.rewards import run_batch_query
 from unstable_dask.round import play_round

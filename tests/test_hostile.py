@@ -6,7 +6,7 @@ import random
 import pytest
 
 from unstable_dask import engines, lake as lk
-from unstable_dask.config import load_job
+from unstable_dask.jobfile import load_job
 from unstable_dask.engines import Generation
 from unstable_dask.play import play_task
 from unstable_dask.schedule import list_checkpoints, schedule_round

@@ -107,7 +107,8 @@ def test_sql_command_prints_table_csv_and_json(tmp_path, capsys):
 
 
 def test_a_lake_uri_other_than_s3_is_refused_when_the_job_loads():
-    from unstable_dask.config import JobError, load_job
+    from unstable_dask.config import JobError
+    from unstable_dask.jobfile import load_job
     for uri in ("gs://bucket/lake", "s3://", "file:///tmp/lake"):
         with pytest.raises(JobError, match=r"run\.lake.*local folder or an s3://bucket/prefix URI"):
             load_job(None, {"run.lake": uri})

@@ -7,7 +7,8 @@ import torch
 import test_rewards
 from test_rewards import RUN
 from unstable_dask import lake as lk
-from unstable_dask.config import JobError, validate_job
+from unstable_dask.config import JobError
+from unstable_dask.jobfile import validate_job
 from unstable_dask.learn import build_query, checkpoint_rows, learn, plan
 from unstable_dask.rewards import run_batch_query
 

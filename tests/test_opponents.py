@@ -8,7 +8,7 @@ import pytest
 import trueskill
 
 from unstable_dask import lake as lk
-from unstable_dask.config import load_job
+from unstable_dask.jobfile import load_job
 from unstable_dask.learn import learn
 from unstable_dask.ratings import rate
 from unstable_dask.round import play_round

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from unstable_dask import learn as learn_mod
-from unstable_dask.config import JobError, load_job
+from unstable_dask.config import JobError
+from unstable_dask.jobfile import load_job
 
 
 def test_quantization_values_are_checked_on_load() -> None:

@@ -10,7 +10,8 @@ import trueskill
 
 import synthetic_lake as sl
 from unstable_dask import duels, lake, ratings
-from unstable_dask.config import JobError, default_job
+from unstable_dask.config import JobError
+from unstable_dask.jobfile import default_job
 
 RUN = "syn"
 FILES = [("ratings", "ratings"), ("rating_history", "rating_history"), ("head_to_head", "head_to_head"),

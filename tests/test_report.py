@@ -11,7 +11,7 @@ import pytest
 
 import synthetic_lake as sl
 from unstable_dask import ratings, report
-from unstable_dask.config import default_job
+from unstable_dask.jobfile import default_job
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -133,7 +133,7 @@ def test_learning_curves_show_the_lakes_numbers(tmp_path: Path, local_client) ->
     """Real tiny-model rounds (WinningNumber vs the random agent: wins, draws and losses all occur),
     a learner update between them; the curves in Chromium carry the numbers the lake holds."""
     from unstable_dask import lake as lk
-    from unstable_dask.config import load_job
+    from unstable_dask.jobfile import load_job
     from unstable_dask.learn import learn
     from unstable_dask.loop import round_summary
     from unstable_dask.round import play_round

@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from unstable_dask import lake as lk
-from unstable_dask.config import load_job
+from unstable_dask.jobfile import load_job
 from unstable_dask.play import play_task
 from unstable_dask.round import play_round, round_stats
 from unstable_dask.schedule import BASE_UID, RANDOM_UID, GameSpec, Seat, TaskSpec, list_checkpoints, schedule_round

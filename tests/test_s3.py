@@ -120,7 +120,7 @@ def test_round_learn_round_rate_report_on_s3(s3, tmp_path, monkeypatch):
     batch there and uploads the adapter, the next round's workers download and play it, the next
     learner resumes from it (adapter and optimizer state downloaded), the ratings job rates the
     checkpoints, the report renders; nothing of the lake on local disk."""
-    from unstable_dask.config import load_job
+    from unstable_dask.jobfile import load_job
     from unstable_dask.learn import learn
     from unstable_dask.ratings import rate
     from unstable_dask.report import report

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from unstable_dask.config import load_job
+from unstable_dask.jobfile import load_job
 from unstable_dask.schedule import Checkpoint, OpponentPool, schedule_games
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from unstable_dask import lake as lk
 from unstable_dask.cluster import open_client, task_resources
-from unstable_dask.config import load_job
+from unstable_dask.jobfile import load_job
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "slurm-localhost.sh"
 DIR = os.environ.get("SLURM_LOCAL_DIR", "/tmp/unstable-dask-slurm")

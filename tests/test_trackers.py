@@ -12,7 +12,8 @@ import pytest
 
 import synthetic_lake as sl
 from unstable_dask import lake as lk, ratings, trackers
-from unstable_dask.config import JobError, default_job, load_job
+from unstable_dask.config import JobError
+from unstable_dask.jobfile import default_job, load_job
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")

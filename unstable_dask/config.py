@@ -1,8 +1,9 @@
-"""Job files: one TOML file describes a run. Every default lives here, in these models.
+"""A job's settings: one TOML file describes a run, and every default lives here, in these models.
 
-`load_job(path)` validates a file; `default_job()` is the embedded default (CPU, builtin tiny
-model, LocalCluster, ./lake, ./reports). Errors a user can fix raise `JobError` with one sentence
-naming the file, the key, the bad value and what was expected.
+jobfile.py reads a file into them (`load_job(path)`; `default_job()` is the embedded default:
+CPU, builtin tiny model, LocalCluster, ./lake, ./reports) and checks what spans several keys.
+Errors a user can fix raise `JobError` with one sentence naming the file, the key, the bad value
+and what was expected.
 """
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ import hashlib
 import json
 import math
 import re
-import tomllib
-from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
                       model_validator)
 
 from . import algorithms
@@ -69,7 +68,7 @@ CHECKPOINT_UID = re.compile(r"ckpt-\d+")  # the learner names its checkpoints ck
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # run and endpoint names: safe in paths and messages
 
 
-def _reserved_uid(uid: str) -> bool:
+def reserved_uid(uid: str) -> bool:
     return uid in (BASE_UID, RANDOM_UID) or CHECKPOINT_UID.fullmatch(uid) is not None
 
 
@@ -353,7 +352,7 @@ class EndpointConfig(_Strict):
     @field_validator("model")
     @classmethod
     def _own_uid(cls, v: str) -> str:
-        if _reserved_uid(v):
+        if reserved_uid(v):
             raise ValueError("the endpoint's model id is its model_uid in the lake and may not be 'base', "
                              "'random' or a checkpoint uid (ckpt-<k>); serve it under another name")
         return v
@@ -374,7 +373,7 @@ class Job(_Strict):
     @classmethod
     def _endpoint_names(cls, v: dict[str, EndpointConfig]) -> dict[str, EndpointConfig]:
         for name in v:
-            if not re.fullmatch(NAME, name) or _reserved_uid(name):
+            if not re.fullmatch(NAME, name) or reserved_uid(name):
                 raise ValueError(f"endpoint name {name!r}: expected letters, digits, '_', '.', '-', and not "
                                  f"'base', 'random' or a checkpoint uid (ckpt-<k>)")
         return v
@@ -383,165 +382,3 @@ class Job(_Strict):
         """A short hash of the validated job, stored with every round commit."""
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _loc(loc: tuple) -> str:
-    # Drop pydantic's validator and union-member tags ("function-after[...]", "literal['a','b']", "int").
-    def tag(p: Any) -> bool:
-        return isinstance(p, str) and (p in ("int", "float", "str", "bool") or "[" in p)
-    return ".".join(str(p) for p in loc if not tag(p)) or "<root>"
-
-
-def _format_error(source: str, err: ValidationError, raw: dict) -> str:
-    e = err.errors()[0]
-    key = _loc(e["loc"])
-    msg = e["msg"].removeprefix("Value error, ")
-    if e["type"] == "extra_forbidden":
-        return f"{source}: unknown key '{key}' (check the spelling; see README 'Job files' for the keys)"
-    if e["type"] == "missing":
-        return f"{source}: missing required key '{key}'"
-    value = e.get("input")
-    if isinstance(value, (dict, list)):
-        return f"{source}: key '{key}': {msg}"
-    return f"{source}: key '{key}' has value {value!r}: {msg}"
-
-
-def validate_job(raw: dict, source: str = "<default>") -> Job:
-    """A Job from parsed TOML, every setting checked (the learner's SQL included); JobError if not."""
-    try:
-        job = Job.model_validate(raw)
-    except ValidationError as err:
-        raise JobError(_format_error(source, err, raw)) from None
-    job.source = source
-    _check_opponents(job)
-    _check_algorithm(job)
-    check_learn_sql(job)
-    return job
-
-
-def _check_opponents(job: Job) -> None:
-    """Every opponent name is something a round can seat. Checkpoint uids are checked by their
-    form here (the lake is not read at load) and against the run's checkpoints when a round starts."""
-    lists = [("round.opponents.fixed", job.round.opponents.fixed)]
-    for split in ("train", "eval"):
-        lists += [(f"round.{split}_envs[{i}].opponents", e.opponents or [])
-                  for i, e in enumerate(getattr(job.round, f"{split}_envs"))]
-    for key, names in lists:
-        for j, name in enumerate(names):
-            if not (_reserved_uid(name) or name in job.endpoints or (Path(name) / "adapter_config.json").is_file()):
-                raise JobError(opponent_error(job, f"{key}[{j}]", name))
-
-
-def opponent_error(job: Job, key: str, name: str) -> str:
-    """The one message for an opponent name a round cannot seat."""
-    declared = ", ".join(repr(n) for n in job.endpoints) or "none declared"
-    return (f"{job.source}: key '{key}' names opponent {name!r}: expected 'random', 'base', an endpoint "
-            f"of [endpoints] ({declared}), a checkpoint uid of run {job.run.name!r} (ckpt-<k>), "
-            f"or a LoRA adapter directory")
-
-
-def _check_algorithm(job: Job) -> None:
-    """What the chosen algorithm's SPEC requires of the rest of the job."""
-    learn, spec = job.learn, algorithms.spec(job.learn.algorithm)
-    where = f"{job.source}: key 'learn.algorithm' has value {learn.algorithm!r}"
-    if spec.needs_groups and job.round.group_size < 2:
-        raise JobError(f"{where}: its advantages compare G attempts of one start state; "
-                       f"set round.group_size >= 2 (it is {job.round.group_size})")
-    if not spec.ppo_epochs and (learn.ppo_epochs != 1 or learn.ppo_mini_batch_size is not None):
-        ppo = ", ".join(n for n in algorithms.ALGORITHMS if algorithms.spec(n).ppo_epochs)
-        raise JobError(f"{where}: it makes one optimizer step per batch; learn.ppo_epochs and "
-                       f"learn.ppo_mini_batch_size apply to {ppo}")
-    if learn.ppo_mini_batch_size is not None and not learn.mini_batch_size <= learn.ppo_mini_batch_size <= learn.batch_size:
-        raise JobError(f"{job.source}: key 'learn.ppo_mini_batch_size' has value {learn.ppo_mini_batch_size}: "
-                       f"it must lie between learn.mini_batch_size ({learn.mini_batch_size}) "
-                       f"and learn.batch_size ({learn.batch_size})")
-
-
-def check_learn_sql(job: Job) -> None:
-    """Parse every reward transform and run the learner's batch query on the lake's typed, empty
-    tables, so a misspelt transform, one in the wrong stage, a missing column or bad SQL fails
-    when the job is loaded, with no lake present, not after a round was played."""
-    # Imported here: these modules import this one.
-    from .lake import connect_empty
-    from .learn import Plan, build_query
-    from .rewards import STAGES, batch_query, parse_transform, run_batch_query
-
-    cfg, run = job.learn, job.run.name
-    texts = {"final": cfg.final_transforms, "step": cfg.step_transforms, "sampling": cfg.sampling_transforms}
-
-    def error(stage: str, i: int, e: JobError) -> JobError:
-        why = str(e).split(": ", 1)[-1]  # drop the message's own key prefix
-        return JobError(f"{job.source}: key 'learn.{stage}_transforms[{i}]' has value {texts[stage][i]!r}: {why}")
-
-    con = connect_empty()
-    try:
-        parsed: dict[str, list] = {stage: [] for stage in STAGES}
-        for stage in STAGES:
-            for i, text in enumerate(texts[stage]):
-                try:
-                    parsed[stage].append(parse_transform(text, stage, con))
-                except JobError as e:
-                    raise error(stage, i, e) from None
-        try:  # the query the learner runs, algorithm-specific steps included
-            run_batch_query(con, build_query(job, Plan(run, 1, "ckpt-1", "base", None, [0]), 0, con))
-            if algorithms.spec(cfg.algorithm).sampling_on == "advantages":  # A2C: its sampling SQL reads the batch
-                run_batch_query(con, batch_query(run, [0], cfg.batch_size, 0, *(parsed[s] for s in STAGES)))
-            return
-        except JobError as whole:
-            failed = whole
-        # Name the first transform whose query fails: the pipelines up to each one in turn.
-        upto: dict[str, list] = {stage: [] for stage in STAGES}
-        for stage in STAGES:
-            for i, t in enumerate(parsed[stage]):
-                upto[stage].append(t)
-                try:
-                    run_batch_query(con, batch_query(run, [0], cfg.batch_size, 0, *(upto[s] for s in STAGES)))
-                except JobError as e:
-                    raise error(stage, i, e) from None
-        raise JobError(f"{job.source}: key 'learn': {failed}")
-    finally:
-        con.close()
-
-
-def load_job(path: Union[str, Path, None] = None, overrides: Optional[dict] = None) -> Job:
-    """Read and validate a job file; no path means the embedded default job.
-
-    A path that is not a file but names a shipped job (`demo`, `jobs/smollm2-cpu.toml`, ...) reads
-    the copy inside the installed package, so the README's commands work outside a checkout too.
-    """
-    raw: dict = {}
-    source = "<default>"
-    if path is not None:
-        p = Path(path)
-        source = str(p)
-        if not p.is_file():
-            p = shipped_job(p)
-        try:
-            raw = tomllib.loads(p.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
-            raise JobError(f"{source}: not valid TOML ({e})") from None
-        except UnicodeDecodeError:
-            raise JobError(f"{source}: not a UTF-8 text file") from None
-    for dotted, value in (overrides or {}).items():
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[leaf] = value
-    return validate_job(raw, source)
-
-
-def shipped_jobs() -> dict[str, Path]:
-    """The job files installed with the package (unstable_dask/jobs, the repo's jobs/ folder)."""
-    return {f.stem: f for f in sorted((Path(__file__).parent / "jobs").glob("*.toml"))}
-
-
-def shipped_job(path: Path) -> Path:
-    jobs = shipped_jobs()
-    if str(path.parent) in (".", "jobs") and path.stem in jobs and path.suffix in ("", ".toml"):
-        return jobs[path.stem]
-    raise JobError(f"{path}: job file not found (shipped jobs: {', '.join(jobs) or 'none'})")
-
-
-def default_job() -> Job:
-    return load_job(None)

@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .config import Job, JobError, load_job
+from .config import Job, JobError
+from .jobfile import load_job
 from .storage import is_remote, root
 
 console = Console()

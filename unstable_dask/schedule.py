@@ -19,7 +19,8 @@ import trueskill
 
 from . import lake as lk
 from . import storage as st
-from .config import BASE_UID, RANDOM_UID, EnvSpec, Job, JobError, opponent_error
+from .config import BASE_UID, RANDOM_UID, EnvSpec, Job, JobError
+from .jobfile import opponent_error
 from .duels import inherited, make_env
 
 
