@@ -76,7 +76,8 @@ def add_action(lake: Lake, table: str, rel: str) -> tuple[AddAction, bool]:
     values = dict(part.split("=", 1) for part in rel.split("/")[:-1])
     names = set(meta.schema.to_arrow_schema().names)
     lacks = not set(TABLES[table].schema.names) <= names
-    return AddAction(rel, st.size(path), values, st.mtime_ms(path), True,
+    size, mtime_ms = st.stat(path)
+    return AddAction(rel, size, values, mtime_ms, True,
                      json.dumps({"numRecords": meta.num_rows})), lacks
 
 

@@ -92,10 +92,8 @@ def write_table(lake: Lake, table: str, run: str, part: Optional[int], key: str,
 def is_whole_parquet(path: st.Location) -> bool:
     """Cheap check for a complete Parquet file: magic bytes at both ends."""
     try:
-        if (st.size(path) or 0) < 12:
-            return False
-        head, tail = st.read_ends(path, 4)
-        return head == _PARQUET_MAGIC and tail == _PARQUET_MAGIC
+        size, head, tail = st.read_ends(path, 4)
+        return size >= 12 and head == _PARQUET_MAGIC and tail == _PARQUET_MAGIC
     except OSError:
         return False
 

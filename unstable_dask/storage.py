@@ -71,9 +71,11 @@ def size(loc: Location) -> Optional[int]:
     return info.size if info.type == pafs.FileType.File else None
 
 
-def mtime_ms(loc: Location) -> int:
+def stat(loc: Location) -> tuple[int, int]:
+    """(size in bytes, modification time in ms) of a file, in one request."""
     fs, path = resolve(loc)
-    return int(fs.get_file_info(path).mtime.timestamp() * 1000)
+    info = fs.get_file_info(path)
+    return info.size, int(info.mtime.timestamp() * 1000)
 
 
 def is_dir(loc: Location) -> bool:
@@ -101,13 +103,14 @@ def delete(loc: Location) -> None:
         fs.delete_file(path)
 
 
-def read_ends(loc: Location, n: int) -> tuple[bytes, bytes]:
-    """The first and last `n` bytes of a file (for magic-number checks)."""
+def read_ends(loc: Location, n: int) -> tuple[int, bytes, bytes]:
+    """A file's size and its first and last `n` bytes (for magic-number checks), one open."""
     fs, path = resolve(loc)
     with fs.open_input_file(path) as f:
+        size = f.size()
         head = f.read(n)
-        f.seek(max(0, f.size() - n))
-        return head, f.read(n)
+        f.seek(max(0, size - n))
+        return size, head, f.read(n)
 
 
 def read_metadata(loc: Location) -> pq.FileMetaData:
