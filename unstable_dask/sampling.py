@@ -53,12 +53,3 @@ def completion_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, target_ma
     values = picked.gather(-1, input_ids[:, 1:][keep].unsqueeze(-1)).squeeze(-1)
     return torch.zeros(keep.shape, dtype=values.dtype, device=values.device).masked_scatter(keep, values)
 
-
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor,
-                   temperature: float, top_p: float) -> torch.Tensor:
-    """completion_logprobs of one forward pass of `model` over right-padded `input_ids` [B, L].
-
-    On the weights a round played with, this reproduces the engines' stored `logprobs`.
-    """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    return completion_logprobs(logits, input_ids, target_mask, temperature, top_p)

@@ -1,0 +1,79 @@
+"""How far apart are the engine's stored behaviour log-probs and the learner's fp32 recomputation?
+
+The measurement behind the tolerances of tests/logprob_check.py: real rounds of the builtin tiny
+model (the engine of this venv: `hf` here, `vllm` in .venv-vllm with --backend vllm), each learner
+token's stored log-prob against a plain fp32 forward pass over prompt + completion ids, split into
+tokens within fp32 noise and nucleus-boundary flips.
+
+    python bench/bench_logprob_noise.py [--backend hf|vllm] [--rounds 3]
+
+Writes bench/results/logprob_noise_<backend>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from common import row, save
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import logprob_check  # noqa: E402
+from adapters import completion_logits  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="hf", choices=["hf", "vllm"])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    from unstable_dask import lake as lk
+    from unstable_dask.cluster import open_client
+    from unstable_dask.engines import encode_prompts
+    from unstable_dask.jobfile import load_job
+    from unstable_dask.models import resolve_model
+    from unstable_dask.round import play_round
+    from transformers import AutoTokenizer
+
+    settings = [(0.7, 0.95), (0.9, 0.95), (1.0, 0.9)]
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(args.rounds):
+            temperature, top_p = settings[k % len(settings)]
+            job = load_job("jobs/demo.toml", {
+                "run.lake": f"{tmp}/lake", "run.name": f"noise{k}", "run.seed": k, "model.backend": args.backend,
+                "model.temperature": temperature, "model.top_p": top_p, "model.max_new_tokens": 24,
+                "cluster.n_workers": 1, "round.train_games": 32, "round.eval_games": 0,
+                "model.vllm.enforce_eager": True,
+                "round.train_envs": [{"env_id": "TicTacToe-v0-train", "num_players": 2, "num_actors": 2}]})
+            with open_client(job.cluster) as client:
+                play_round(job, client=client)
+            rows = lk.query(job.run.lake, "SELECT prompt, prompt_tokens, completion_token_ids, logprobs FROM turns "
+                            "WHERE run = ? AND prompt_tokens > 0 ORDER BY game_id, turn", [job.run.name]).to_pylist()
+            path = resolve_model(job.model.base)
+            tok = AutoTokenizer.from_pretrained(path)
+            ids = [encode_prompts(tok, [r["prompt"]], r["prompt_tokens"])[0] for r in rows]
+            gens = [SimpleNamespace(token_ids=r["completion_token_ids"]) for r in rows]
+            stored = torch.tensor([x for r in rows for x in r["logprobs"]])
+            logits, targets, _ = completion_logits(path, ids, gens)
+            v = logprob_check.check(logits, targets, stored, temperature, top_p)
+            diff = (stored.double() - v.recomputed.double()).abs()
+            exact = diff[diff <= logprob_check.TOL]
+            out.append(dict(temperature=temperature, top_p=top_p, tokens=v.tokens, flips=v.flips,
+                            max_exact=v.max_exact, max_gap=v.max_gap, p999_exact=float(exact.quantile(0.999)),
+                            flip_sizes=sorted(float(d) for d in diff[diff > logprob_check.TOL])))
+            print(row(args.backend, temperature, top_p, v.tokens, v.flips, f"{v.max_exact:.2g}"), flush=True)
+    total = sum(r["tokens"] for r in out)
+    result = dict(backend=args.backend, rounds=out, tokens=total, flips=sum(r["flips"] for r in out),
+                  max_exact=max(r["max_exact"] for r in out),
+                  max_gap=max(r["max_gap"] for r in out), tol=logprob_check.TOL, eps=logprob_check.EPS)
+    print(f"{args.backend}: {total} tokens, {result['flips']} boundary flips, non-boundary max {result['max_exact']:.3g}, "
+          f"largest boundary gap at a flip {result['max_gap']:.3g}")
+    print(save(f"logprob_noise_{args.backend}", result))
+
+
+if __name__ == "__main__":
+    main()
