@@ -25,9 +25,9 @@ import duckdb
 import numpy as np
 from common import row, save
 
-from unstable_dask import lake as lk
-from unstable_dask.maintain import compact, vacuum
-from unstable_dask.rewards import batch_query
+from unstable_dask.lake import core as lk
+from unstable_dask.lake.maintain import compact, vacuum
+from unstable_dask.learn.rewards import batch_query
 
 RUN = "bench"
 TURNS_PER_GAME = 6

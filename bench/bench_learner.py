@@ -16,7 +16,7 @@ import torch
 from common import row, save
 
 from unstable_dask.jobfile import validate_job
-from unstable_dask.trainer import Trainer
+from unstable_dask.learn.trainer import Trainer
 
 
 def make_batch(tokenizer, n: int) -> pa.Table:

@@ -35,8 +35,8 @@ OPPONENT = "random"
 
 def curve(job) -> list[dict]:
     """Per round: the eval games against the random agent and the train split's learner turns."""
-    from unstable_dask import lake as lk
-    from unstable_dask.report import round_curves
+    from unstable_dask.lake import core as lk
+    from unstable_dask.report.report import round_curves
     con = lk.connect(job.run.lake)
     try:
         rows = round_curves(con, job.run.name)
@@ -71,7 +71,7 @@ def curve(job) -> list[dict]:
 
 
 def plot(points: list[dict]) -> str:
-    from unstable_dask.report import line_chart, svg_document
+    from unstable_dask.report.report import line_chart, svg_document
     inv = [(p["round"], p["invalid_rate"]) for p in points]
     win = [(p["round"], p["win_rate"]) for p in points]
     chart = line_chart(
@@ -95,7 +95,7 @@ def main() -> None:
     from rich.console import Console
     from unstable_dask.jobfile import load_job
     from unstable_dask.loop import loop
-    from unstable_dask.run import parse_set
+    from unstable_dask.cli import parse_set
     job = load_job(args.job, parse_set(args.set))
     t0 = time.perf_counter()
     loop(job, rounds=args.rounds, console=Console(stderr=True))

@@ -30,12 +30,12 @@ def main() -> None:
     ap.add_argument("--backend", default="hf", choices=["hf", "vllm"])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    from unstable_dask import lake as lk
-    from unstable_dask.cluster import open_client
-    from unstable_dask.engines import encode_prompts
+    from unstable_dask.lake import core as lk
+    from unstable_dask.cluster.client import open_client
+    from unstable_dask.inference.engine import encode_prompts
     from unstable_dask.jobfile import load_job
-    from unstable_dask.models import resolve_model
-    from unstable_dask.round import play_round
+    from unstable_dask.inference.weights import resolve_model
+    from unstable_dask.play.round import play_round
     from transformers import AutoTokenizer
 
     settings = [(0.7, 0.95), (0.9, 0.95), (1.0, 0.9)]

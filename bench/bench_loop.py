@@ -114,7 +114,7 @@ def wait_for(path: Path, proc: subprocess.Popen, what: str) -> None:
 
 
 def round_figures(lake: Path, round_: int) -> dict:
-    from unstable_dask import lake as lk
+    from unstable_dask.lake import core as lk
     g = lk.query(lake, """SELECT min(started_at) AS t0, max(finished_at) AS t1, count(*) AS games
                           FROM games WHERE run = ? AND round = ?""", [RUN, round_]).to_pylist()[0]
     r = lk.query(lake, "SELECT checkpoint_uid, completion_tokens, started_at, committed_at FROM rounds "

@@ -29,7 +29,7 @@ from common import save  # noqa: E402
 
 from unstable_dask import lake, ratings  # noqa: E402
 from unstable_dask.jobfile import default_job  # noqa: E402
-from unstable_dask.duels import make_env  # noqa: E402
+from unstable_dask.rate.duels import make_env  # noqa: E402
 
 ENVS = ["SimpleTak-v0-train", "KuhnPoker-v0-train", "TicTacToe-v0-train", "ConnectFour-v0-train"]
 

@@ -32,9 +32,9 @@ SLURM_DIR = os.environ.get("SLURM_LOCAL_DIR", "/tmp/unstable-dask-slurm")
 
 
 def games_per_s(n_workers: int, games: int, repeats: int, tmp: str) -> dict:
-    from unstable_dask.cluster import open_client
+    from unstable_dask.cluster.client import open_client
     from unstable_dask.jobfile import load_job
-    from unstable_dask.round import play_round
+    from unstable_dask.play.round import play_round
 
     # Equal tasks, several per worker, so both layouts get the same work in the same pieces.
     job = load_job(None, {"run.lake": f"{tmp}/w{n_workers}", "run.reports": f"{tmp}/r{n_workers}",
@@ -57,7 +57,7 @@ def slurm_running() -> bool:
 
 
 def slurm_startup(repeats: int, tmp: str) -> dict:
-    from unstable_dask.cluster import open_client
+    from unstable_dask.cluster.client import open_client
     from unstable_dask.config import ClusterConfig
 
     os.environ["SLURM_CONF"] = f"{SLURM_DIR}/slurm.conf"

@@ -72,7 +72,7 @@ def _random_model(shape: str, out: str) -> str:
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from unstable_dask.models import resolve_model
+    from unstable_dask.inference.weights import resolve_model
     tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny"))
     cfg = Qwen3Config(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id, **SHAPES[shape])
@@ -87,7 +87,7 @@ def _raw_generate(model_cfg, prompts: list[str], batch: int) -> dict:
     """On the worker: the backend's own generate on the resident weights, same prompts and sampling."""
     import torch
 
-    from unstable_dask.engines import encode_prompts, get_engine, prompt_budget
+    from unstable_dask.inference.engine import encode_prompts, get_engine, prompt_budget
     engine = get_engine(model_cfg)
     engine.wake_up()
     ids = encode_prompts(engine.tokenizer, prompts, prompt_budget(model_cfg))
@@ -208,9 +208,9 @@ def main() -> None:
 def _round_stage(job, warm, result: dict) -> dict:
     """1. a round (after a warm-up round on its own lake: engine load and first kernels out of the
     figure) vs the backend's own generate on the round's prompts, in the same worker."""
-    from unstable_dask import lake as lk
-    from unstable_dask.cluster import open_client
-    from unstable_dask.round import play_round
+    from unstable_dask.lake import core as lk
+    from unstable_dask.cluster.client import open_client
+    from unstable_dask.play.round import play_round
     n_games = job.round.train_games + job.round.eval_games
     with open_client(job.cluster) as client:
         t = time.perf_counter()
@@ -228,7 +228,7 @@ def _round_stage(job, warm, result: dict) -> dict:
 def _loop_stage(ljob) -> dict:
     """2.+3. the single-GPU loop: learn on the engine's worker with the engine asleep (its own
     cluster, so the loop opens and closes it as a user's `loop` would), and its learner_steps."""
-    from unstable_dask import lake as lk
+    from unstable_dask.lake import core as lk
     from unstable_dask.loop import loop
     t = time.perf_counter()
     loop(ljob, rounds=2, rate=False)
@@ -242,9 +242,9 @@ def _loop_stage(ljob) -> dict:
 
 def _learn_once(job_path: str, over: dict) -> dict:
     """One learner update in this (fresh) process; its learner_steps row."""
-    from unstable_dask import lake as lk
+    from unstable_dask.lake import core as lk
     from unstable_dask.jobfile import load_job
-    from unstable_dask.learn import learn
+    from unstable_dask.learn.learner import learn
     job = load_job(job_path, over)
     learn(job)
     return lk.query(job.run.lake, "SELECT * EXCLUDE (rounds, created_at) FROM learner_steps").to_pylist()[0]
@@ -257,9 +257,9 @@ def _quant_stage(job_path: str, over: dict) -> dict:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from unstable_dask.cluster import open_client
+    from unstable_dask.cluster.client import open_client
     from unstable_dask.jobfile import load_job
-    from unstable_dask.round import play_round
+    from unstable_dask.play.round import play_round
     job = load_job(job_path, over)
     with open_client(job.cluster) as client:
         play_round(job, client=client)

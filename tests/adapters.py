@@ -8,7 +8,7 @@ def random_adapters(base_path: str, tmp_path_factory, n: int = 2) -> list:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from unstable_dask.engines import Adapter
+    from unstable_dask.inference.engine import Adapter
     out = []
     for i in range(n):
         base = AutoModelForCausalLM.from_pretrained(base_path)
@@ -60,7 +60,7 @@ def recompute_logprobs(base_path: str, prompt_ids: list[list[int]], gens, temper
                        top_p: float) -> list[list[float]]:
     """Behaviour log-probs of each generation's `token_ids`, recomputed the learner's way: a plain fp32
     transformers forward pass over prompt ids + completion ids, through `sampling.sampling_logprobs`."""
-    from unstable_dask.sampling import sampling_logprobs
+    from unstable_dask.inference.sampling import sampling_logprobs
     logits, targets, lengths = completion_logits(base_path, prompt_ids, gens)
     flat = sampling_logprobs(logits, temperature, top_p).gather(-1, targets[:, None])[:, 0].tolist()
     out, k = [], 0
@@ -79,8 +79,8 @@ def draw_statistics(engine, base_path: str, prompt: str, n: int, temperature: fl
     import torch
     from transformers import AutoModelForCausalLM
 
-    from unstable_dask.engines import encode_prompts
-    from unstable_dask.sampling import sampling_logprobs
+    from unstable_dask.inference.engine import encode_prompts
+    from unstable_dask.inference.sampling import sampling_logprobs
     gens = engine.generate([prompt] * n, seed=seed)
     assert all(g.completion_tokens == 1 for g in gens)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()

@@ -9,7 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def local_client():
     """A real Dask LocalCluster with 2 worker processes, shared by the tests that play rounds."""
-    from unstable_dask.cluster import open_client
+    from unstable_dask.cluster.client import open_client
     from unstable_dask.config import ClusterConfig
     with open_client(ClusterConfig(kind="local", n_workers=2, dashboard=False)) as client:
         yield client

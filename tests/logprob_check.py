@@ -57,7 +57,7 @@ def check(logits: torch.Tensor, targets: torch.Tensor, stored: torch.Tensor, tem
     A flip is a side (engine or learner) whose fp32 nucleus is N0 plus the next token, or N0 less
     its last one, where that token's mass-above lies within EPS of top_p; the side's log-prob is
     then log softmax(logits / T)[x] - log Z of that nucleus (-inf when x is outside it)."""
-    from unstable_dask.sampling import sampling_logprobs
+    from unstable_dask.inference.sampling import sampling_logprobs
     logits, targets, stored = logits.float(), targets.long(), stored.double()
     rec = sampling_logprobs(logits, temperature, top_p).gather(-1, targets[:, None])[:, 0].double()
     diff = stored - rec

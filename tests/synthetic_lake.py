@@ -15,8 +15,7 @@ from typing import Optional
 import numpy as np
 import pyarrow as pa
 
-from unstable_dask import lake
-
+from unstable_dask.lake import core as lake
 HOSTILE = [
     "<script>window.__pwned = 1</script>",
     '<img src=x onerror="window.__pwned = 2">',

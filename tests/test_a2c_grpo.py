@@ -14,11 +14,11 @@ import torch
 
 import test_reinforce
 from test_reinforce import ADV, CPU, PROMPTS, TOL, Bigram, as_batch, batch, hand, models
-from unstable_dask import a2c
-from unstable_dask.a2c import A2CArgs, gae, turn_rewards
-from unstable_dask.grpo import GRPOArgs, update
-from unstable_dask.policy import behaviour_logprobs
-from unstable_dask.rewards import NormalizeRewards, NormalizeRewardsByEnv, transform_values
+from unstable_dask.learn.algorithms import a2c
+from unstable_dask.learn.algorithms.a2c import A2CArgs, gae, turn_rewards
+from unstable_dask.learn.algorithms.grpo import GRPOArgs, update
+from unstable_dask.learn.tokens import behaviour_logprobs
+from unstable_dask.learn.rewards import NormalizeRewards, NormalizeRewardsByEnv, transform_values
 
 COMPLETIONS = [tokens for _, tokens in test_reinforce.COMPLETIONS]
 

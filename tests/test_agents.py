@@ -4,7 +4,7 @@ import random
 import pytest
 import textarena as ta
 
-from unstable_dask.agents import legal_moves, random_move
+from unstable_dask.play.agents import legal_moves, random_move
 
 
 def _state(env):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from unstable_dask import algorithms
+from unstable_dask.learn import algorithms
 from unstable_dask.config import JobError
 from unstable_dask.jobfile import load_job
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from test_report import opened
-from unstable_dask import lake as lk
-from unstable_dask import ratings, report
+from unstable_dask.lake import core as lk
+from unstable_dask.rate import ratings
+from unstable_dask.report import report
 from unstable_dask.jobfile import load_job
 
 
@@ -37,8 +38,8 @@ def _counts(games: list[dict]) -> dict[tuple[str, str, str], list[int]]:
 
 @pytest.mark.slow
 def test_arena_views_show_the_lakes_counts(tmp_path: Path, local_client) -> None:
-    from unstable_dask.learn import learn
-    from unstable_dask.round import play_round
+    from unstable_dask.learn.learner import learn
+    from unstable_dask.play.round import play_round
     wn = {"env_id": "WinningNumber-v0-train", "num_players": 2, "num_actors": 1}  # wins, draws and losses occur
     job = load_job("jobs/demo.toml", {
         "run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"), "model.max_new_tokens": 8,

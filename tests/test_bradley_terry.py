@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 from scipy.optimize import minimize
 
-from unstable_dask import bradley_terry as bt
-
-
+from unstable_dask.rate import bradley_terry as bt
 def synthetic_pairs(theta: dict[str, float], games: int, seed: int, draw: float = 0.1) -> list[tuple]:
     rng = random.Random(seed)
     names = sorted(theta)

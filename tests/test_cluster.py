@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
-from unstable_dask import lake as lk
-from unstable_dask.cluster import job_script, local_gpu_workers, open_client, task_resources, visible_gpus
+from unstable_dask.lake import core as lk
+from unstable_dask.cluster.client import job_script, local_gpu_workers, open_client, task_resources, visible_gpus
 from unstable_dask.config import ClusterConfig, JobError
 
 

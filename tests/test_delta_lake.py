@@ -7,12 +7,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from unstable_dask import catalog
-from unstable_dask import delta as dl
-from unstable_dask import lake as lk
+from unstable_dask.lake import catalog
+from unstable_dask.lake import delta as dl
+from unstable_dask.lake import core as lk
 from unstable_dask.config import JobError
-from unstable_dask.maintain import checksums, compact, vacuum
-from unstable_dask.migrate import migrate
+from unstable_dask.lake.maintain import checksums, compact, vacuum
+from unstable_dask.lake.migrate import migrate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,7 +179,7 @@ def test_compact_and_vacuum_change_no_query_result(tmp_path):
 
 def test_lake_commands_migrate_compact_vacuum(tmp_path, capsys):
     """`run migrate`, `run compact`, `run vacuum` on an old-format lake of two 2-task rounds."""
-    from unstable_dask.run import main
+    from unstable_dask.cli import main
     for rnd in range(2):
         _round(tmp_path, rnd, "x")
         d = tmp_path / f"rounds/run=r/round={rnd}"
@@ -200,12 +200,12 @@ def test_lake_commands_migrate_compact_vacuum(tmp_path, capsys):
 
 def test_readme_column_tables_are_generated_from_the_catalog():
     text = (ROOT / "lake/README.md").read_text()
-    begin, end = "<!-- tables: generated from unstable_dask/catalog.py -->", "<!-- end of generated tables -->"
+    begin, end = "<!-- tables: generated from unstable_dask/lake/catalog.py -->", "<!-- end of generated tables -->"
     assert begin in text and end in text, "lake/README.md lost its generated-tables markers"
     current = text.split(begin, 1)[1].split(end, 1)[0].strip()
     assert current == catalog.readme_tables().strip(), (
         "lake/README.md column tables drifted from the catalog: regenerate with "
-        "python -m unstable_dask.catalog > the section between the markers")
+        "python -m unstable_dask.lake.catalog > the section between the markers")
 
 
 @pytest.mark.slow

@@ -16,8 +16,8 @@ import pytest
 
 from unstable_dask.config import EndpointConfig, JobError, ModelConfig, RoundConfig
 from unstable_dask.jobfile import load_job
-from unstable_dask.play import play_task
-from unstable_dask.schedule import RANDOM_UID, GameSpec, Seat, TaskSpec
+from unstable_dask.play.task import play_task
+from unstable_dask.play.schedule import RANDOM_UID, GameSpec, Seat, TaskSpec
 
 KEY = "sk-test-5f0c1e7d9a2b4c6e8f10"  # what a leak would look like: grepped for in the lake
 ANSWER = "I check. \\boxed{[check]}"
@@ -192,7 +192,7 @@ def test_job_checks_opponent_names_and_endpoint_tables():
 
 
 def test_a_round_that_seats_an_endpoint_needs_its_key_and_writes_nothing_without_it(tmp_path, monkeypatch):
-    from unstable_dask.round import play_round
+    from unstable_dask.play.round import play_round
     job = _job(**{"run.lake": str(tmp_path / "lake")})
     with pytest.raises(JobError, match=r"key 'endpoints.gem.api_key_env' has value 'UNSTABLE_DASK_TEST_NO_SUCH_KEY': "
                                        r"that environment variable is not set"):
@@ -209,8 +209,8 @@ def test_a_round_whose_server_dies_mid_round_still_commits_with_the_failed_turns
     """The stub stands in for the server test_endpoints_vllm.py kills; here it runs without vLLM."""
     from distributed import Client
 
-    from unstable_dask import lake as lk
-    from unstable_dask import round as round_mod
+    from unstable_dask.lake import core as lk
+    from unstable_dask.play import round as round_mod
     real = round_mod.play_task
 
     def play_then_stop(task, model_cfg, round_cfg, lake, progress, endpoints):

@@ -91,7 +91,7 @@ def served(model_dir: str, log: Path):
 
 @pytest.fixture(scope="module")
 def tiny(cache) -> str:
-    from unstable_dask.models import resolve_model
+    from unstable_dask.inference.weights import resolve_model
     return resolve_model("builtin:tiny")
 
 
@@ -115,7 +115,7 @@ def _job(tmp_path: Path, url: str, **over):
 
 
 def _endpoint_turns(job) -> list[dict]:
-    from unstable_dask import lake as lk
+    from unstable_dask.lake import core as lk
     sql = "SELECT * FROM turns WHERE model_uid = ? ORDER BY game_id, turn"
     return lk.query(job.run.lake, sql, [SERVED]).to_pylist()
 
@@ -123,10 +123,10 @@ def _endpoint_turns(job) -> list[dict]:
 def test_a_round_against_a_served_model_commits_and_keeps_the_key_out(tmp_path, tiny, client, monkeypatch, caplog):
     from rich.console import Console
 
-    from unstable_dask import lake as lk
-    from unstable_dask.ratings import rate
-    from unstable_dask.report import report
-    from unstable_dask.round import play_round
+    from unstable_dask.lake import core as lk
+    from unstable_dask.rate.ratings import rate
+    from unstable_dask.report.report import report
+    from unstable_dask.play.round import play_round
     monkeypatch.setenv("TINY_ENDPOINT_KEY", KEY)
     caplog.set_level(logging.DEBUG)
     out = io.StringIO()
@@ -153,8 +153,8 @@ def test_a_round_against_a_served_model_commits_and_keeps_the_key_out(tmp_path, 
 
 
 def test_a_server_killed_mid_round_leaves_a_committed_round_with_failed_turns(tmp_path, tiny, client, monkeypatch):
-    from unstable_dask import lake as lk
-    from unstable_dask import round as round_mod
+    from unstable_dask.lake import core as lk
+    from unstable_dask.play import round as round_mod
     monkeypatch.setenv("TINY_ENDPOINT_KEY", KEY)
     real = round_mod.play_task
 

@@ -10,7 +10,7 @@ import logprob_check
 from adapters import completion_logits, draw_statistics, random_adapters, recompute_logprobs, sample_prompts, texts
 
 from unstable_dask.config import ModelConfig
-from unstable_dask.engines import Adapter, encode_prompts, get_engine, prompt_budget
+from unstable_dask.inference.engine import Adapter, encode_prompts, get_engine, prompt_budget
 
 GREEDY = ModelConfig(temperature=0.0, max_new_tokens=12, max_model_len=256, hf_max_batch=8)
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from unstable_dask import lake as lk
+from unstable_dask.lake import core as lk
 from unstable_dask.config import ClusterConfig, JobError
 from unstable_dask.jobfile import load_job
-from unstable_dask.migrate import migrate
-from unstable_dask.round import play_round
+from unstable_dask.lake.migrate import migrate
+from unstable_dask.play.round import play_round
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def _assert_round_whole(lake, games, rounds=1):
 @pytest.mark.slow
 def test_worker_killed_mid_round(tmp_path):
     """SIGKILL a worker while its tasks run: the round completes on the others, exactly once."""
-    from unstable_dask.cluster import open_client
+    from unstable_dask.cluster.client import open_client
     job = _long_job(tmp_path)
     with open_client(ClusterConfig(n_workers=2, dashboard=False)) as client:
         client.wait_for_workers(2)
@@ -92,7 +92,7 @@ def test_driver_killed_mid_round_then_rerun(tmp_path):
 @pytest.mark.slow
 def test_two_drivers_race_for_one_round(tmp_path):
     """Two rounds started at once on the same run: one commits round 0, the other is told so."""
-    from unstable_dask.cluster import open_client
+    from unstable_dask.cluster.client import open_client
     job = _long_job(tmp_path, games=6)
     outcomes = []
 

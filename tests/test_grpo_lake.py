@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import logprob_check
-from unstable_dask import lake as lk
+from unstable_dask.lake import core as lk
 from unstable_dask.jobfile import load_job
-from unstable_dask.learn import build_query, learn, plan
-from unstable_dask.rewards import run_batch_query
-from unstable_dask.round import play_round
+from unstable_dask.learn.learner import build_query, learn, plan
+from unstable_dask.learn.rewards import run_batch_query
+from unstable_dask.play.round import play_round
 
 pytestmark = pytest.mark.slow
 
@@ -84,8 +84,8 @@ def test_batches_hold_whole_groups_with_group_relative_advantages(job):
 def test_the_learner_batch_reproduces_the_behaviour_logprobs(job):
     """Prompt ids re-encoded with the engines' budget rule, the stored completion ids and the
     round's temperature / top_p: a fresh LoRA (the base model) gives the engine's log-probs back."""
-    from unstable_dask.policy import LOGP_FLOOR, completion_logprobs, logits_of
-    from unstable_dask.trainer import Trainer
+    from unstable_dask.learn.tokens import LOGP_FLOOR, completion_logprobs, logits_of
+    from unstable_dask.learn.trainer import Trainer
     con = lk.connect(job.run.lake)
     table = run_batch_query(con, build_query(job, plan(job), 0, con))
     trainer = Trainer(job, None, torch.device("cpu"))

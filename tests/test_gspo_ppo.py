@@ -10,8 +10,9 @@ import torch
 
 from test_a2c_grpo import BigramWithBase, _logp, _steps, grpo_hand
 from test_reinforce import ADV, CPU, TOL, as_batch, batch, hand, models
-from unstable_dask import grpo, gspo
-from unstable_dask.sampling import sampling_logprobs
+from unstable_dask.learn.algorithms import grpo
+from unstable_dask.learn.algorithms import gspo
+from unstable_dask.inference.sampling import sampling_logprobs
 
 
 def _per_sample(values):
@@ -132,6 +133,6 @@ def test_on_policy_ratio_is_one_at_temperature_and_top_p():
                                                     clip_ratio=1e-4), CPU)
     assert m["clip_frac"] == 0.0
     ref = BigramWithBase()
-    from unstable_dask import reinforce
+    from unstable_dask.learn.algorithms import reinforce
     reinforce.update(models(ref), b, reinforce.ReinforceArgs(mini_batch_size=3, grad_clip=1e9, max_generation_len=4), CPU)
     torch.testing.assert_close(model.W.grad, ref.W.grad, **TOL)

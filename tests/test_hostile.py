@@ -5,11 +5,13 @@ import random
 
 import pytest
 
-from unstable_dask import engines, lake as lk
+from unstable_dask.inference import engine as engines
+
+from unstable_dask.lake import core as lk
 from unstable_dask.jobfile import load_job
-from unstable_dask.engines import Generation
-from unstable_dask.play import play_task
-from unstable_dask.schedule import list_checkpoints, schedule_round
+from unstable_dask.inference.engine import Generation
+from unstable_dask.play.task import play_task
+from unstable_dask.play.schedule import list_checkpoints, schedule_round
 
 SEEDS = [
     "", " ", "\\boxed{", "\\boxed{\\boxed{", "\\boxed{}", "}" * 50, "x" * 100_000, "\\boxed{" * 5_000,
@@ -76,8 +78,8 @@ def test_thousand_hostile_completions_through_games_lake_and_report(tmp_path, mo
     assert any("</script>" in s for s in stored)
     assert any("? lone surrogate" in s for s in stored)  # made storable, not dropped
 
-    from unstable_dask.ratings import rate
-    from unstable_dask.report import report
+    from unstable_dask.rate.ratings import rate
+    from unstable_dask.report.report import report
     rate(job)
     html = report(job).read_text()
     tags = _tags(html)

@@ -5,9 +5,7 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
-from unstable_dask import lake as lk
-
-
+from unstable_dask.lake import core as lk
 def _game(gid: str, reward: float = 1.0) -> dict:
     t = lk.now()
     seat = lambda pid, r: dict(pid=pid, model_uid="base", is_learner=True, role=f"Player {pid}", reward=r,
@@ -93,7 +91,7 @@ def test_user_sql_cannot_write_or_read_outside(tmp_path):
 def test_sql_command_prints_table_csv_and_json(tmp_path, capsys):
     import json
 
-    from unstable_dask import run
+    from unstable_dask import cli as run
     lk.write_table(tmp_path, "games", "r1", 0, "task-0000", [_game("a"), _game("b")])
     _commit(tmp_path, "r1", 0)
     q = "SELECT game_id, count(*) AS seats FROM seats GROUP BY 1 ORDER BY 1"

@@ -6,11 +6,11 @@ import torch
 
 import test_rewards
 from test_rewards import RUN
-from unstable_dask import lake as lk
+from unstable_dask.lake import core as lk
 from unstable_dask.config import JobError
 from unstable_dask.jobfile import validate_job
-from unstable_dask.learn import build_query, checkpoint_rows, learn, plan
-from unstable_dask.rewards import run_batch_query
+from unstable_dask.learn.learner import build_query, checkpoint_rows, learn, plan
+from unstable_dask.learn.rewards import run_batch_query
 
 
 def job_for(lake, **learn):
@@ -24,7 +24,7 @@ def make_lake(root, **kw):
     """test_rewards' random lake, with prompt token counts of the builtin tiny tokenizer."""
     from transformers import AutoTokenizer
 
-    from unstable_dask.models import resolve_model
+    from unstable_dask.inference.weights import resolve_model
     tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny"))
     return test_rewards.make_lake(root, encode=lambda text: tok(text, add_special_tokens=False)["input_ids"], **kw)
 
@@ -37,8 +37,8 @@ def test_learn_resumes_exactly_and_adapter_round_trips(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from unstable_dask.models import resolve_model
-    from unstable_dask.trainer import Trainer
+    from unstable_dask.inference.weights import resolve_model
+    from unstable_dask.learn.trainer import Trainer
 
     lake = make_lake(tmp_path / "lake", rounds=1, games=12)
     job = job_for(lake)
@@ -107,7 +107,7 @@ def test_rounds_played_before_exact_tokens_are_refused(tmp_path):
     cannot be trained on exactly: a clear error naming them, alone or beside newer rounds."""
     import pyarrow.parquet as pq
 
-    from unstable_dask.migrate import migrate
+    from unstable_dask.lake.migrate import migrate
     # The lake of the time: the same rounds, its files without those columns (nor the commit's
     # file list), no Delta log; it gets its log the way an upgraded lake does, through migrate.
     src, lake = make_lake(tmp_path / "src", rounds=1, games=12), tmp_path / "lake"

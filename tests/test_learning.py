@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import pytest
 
-from unstable_dask import lake as lk
+from unstable_dask.lake import core as lk
 from unstable_dask.jobfile import validate_job
 from unstable_dask.loop import loop
 

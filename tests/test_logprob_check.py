@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import logprob_check
-from unstable_dask.sampling import sampling_logprobs
+from unstable_dask.inference.sampling import sampling_logprobs
 
 T, TOP_P = 0.7, 0.95
 

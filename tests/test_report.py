@@ -10,7 +10,8 @@ from typing import Any, Iterator
 import pytest
 
 import synthetic_lake as sl
-from unstable_dask import ratings, report
+from unstable_dask.rate import ratings
+from unstable_dask.report import report
 from unstable_dask.jobfile import default_job
 
 CHROMIUM = "/usr/bin/chromium"
@@ -132,11 +133,11 @@ def _assert_tips(shown: list[str], expected: list[str]) -> None:
 def test_learning_curves_show_the_lakes_numbers(tmp_path: Path, local_client) -> None:
     """Real tiny-model rounds (WinningNumber vs the random agent: wins, draws and losses all occur),
     a learner update between them; the curves in Chromium carry the numbers the lake holds."""
-    from unstable_dask import lake as lk
+    from unstable_dask.lake import core as lk
     from unstable_dask.jobfile import load_job
-    from unstable_dask.learn import learn
+    from unstable_dask.learn.learner import learn
     from unstable_dask.loop import round_summary
-    from unstable_dask.round import play_round
+    from unstable_dask.play.round import play_round
     env = {"env_id": "WinningNumber-v0-train", "num_players": 2, "num_actors": 1, "opponents": ["random"]}
     job = load_job("jobs/demo.toml", {
         "run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"), "model.max_new_tokens": 8,

@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from unstable_dask import lake as lk
+from unstable_dask.lake import core as lk
 from unstable_dask.config import JobError
-from unstable_dask.rewards import (GroupRelativeAdvantage, NormalizeRewards, NormalizeRewardsByEnv,
+from unstable_dask.learn.rewards import (GroupRelativeAdvantage, NormalizeRewards, NormalizeRewardsByEnv,
                                    PenaltyForInvalidMove, RewardForFormat, RoleAdvantageByEnvFormatter,
                                    RoleAdvantageFormatter, batch_query, parse_transform, parse_transforms,
                                    run_batch_query, window_rounds)

@@ -5,11 +5,11 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-from unstable_dask import lake as lk
+from unstable_dask.lake import core as lk
 from unstable_dask.jobfile import load_job
-from unstable_dask.play import play_task
-from unstable_dask.round import play_round, round_stats
-from unstable_dask.schedule import BASE_UID, RANDOM_UID, GameSpec, Seat, TaskSpec, list_checkpoints, schedule_round
+from unstable_dask.play.task import play_task
+from unstable_dask.play.round import play_round, round_stats
+from unstable_dask.play.schedule import BASE_UID, RANDOM_UID, GameSpec, Seat, TaskSpec, list_checkpoints, schedule_round
 
 
 def _job(tmp_path, **over):
@@ -206,8 +206,8 @@ def test_round_plays_groups_with_exact_tokens(tmp_path, local_client):
 
     import logprob_check
     from adapters import completion_logits
-    from unstable_dask.engines import encode_prompts
-    from unstable_dask.models import resolve_model
+    from unstable_dask.inference.engine import encode_prompts
+    from unstable_dask.inference.weights import resolve_model
     path = resolve_model(job.model.base)
     tok = AutoTokenizer.from_pretrained(path)
     model_rows = [r for r in rows if r["model_uid"] != RANDOM_UID]

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from unstable_dask.jobfile import load_job
-from unstable_dask.schedule import Checkpoint, OpponentPool, schedule_games
+from unstable_dask.play.schedule import Checkpoint, OpponentPool, schedule_games
 
 
 def _job(tmp_path, **over):

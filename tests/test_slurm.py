@@ -15,8 +15,8 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from unstable_dask import lake as lk
-from unstable_dask.cluster import open_client, task_resources
+from unstable_dask.lake import core as lk
+from unstable_dask.cluster.client import open_client, task_resources
 from unstable_dask.jobfile import load_job
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "slurm-localhost.sh"
@@ -89,7 +89,7 @@ def _wait_empty_queue(seconds: float = 30.0) -> float:
 
 
 def test_round_on_slurm_with_two_gpu_pinned_workers(slurm, tmp_path):
-    from unstable_dask.round import play_round
+    from unstable_dask.play.round import play_round
     job = _job(tmp_path)
     assert task_resources(job.cluster) == {"GPU": 1}
     t0 = time.perf_counter()
@@ -119,7 +119,7 @@ def test_round_survives_worker_lifetime_on_slurm(slurm, tmp_path):
     attempt is cut and the round never ends. To cut the round whatever the machine's speed, the
     round starts when the first workers are 15 s old, so they retire 3-7 s into it.
     """
-    from unstable_dask.round import play_round
+    from unstable_dask.play.round import play_round
     job = _job(tmp_path, lifetime="20s", lifetime_stagger="2s", jobs=2)
     job = job.model_copy(update={"round": job.round.model_copy(update={"train_games": 40, "eval_games": 0})})
     with open_client(job.cluster) as client:

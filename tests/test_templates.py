@@ -6,7 +6,7 @@ import time
 import pytest
 
 from unstable_dask.config import TEMPLATES
-from unstable_dask.templates import extract_action, render_prompt
+from unstable_dask.play.prompts import extract_action, render_prompt
 
 
 @pytest.mark.parametrize("completion, action, ok", [

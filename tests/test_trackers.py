@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 import synthetic_lake as sl
-from unstable_dask import lake as lk, ratings, trackers
+from unstable_dask.lake import core as lk
+from unstable_dask.rate import ratings
+from unstable_dask.report import trackers
 from unstable_dask.config import JobError
 from unstable_dask.jobfile import default_job, load_job
 
@@ -108,7 +110,7 @@ def test_missing_tracker_package_names_the_extra(monkeypatch: pytest.MonkeyPatch
 
 
 def test_track_command_needs_trackers(capsys: pytest.CaptureFixture) -> None:
-    from unstable_dask.run import main
+    from unstable_dask.cli import main
     assert main(["track"]) == 2
     assert "key 'run.trackers' is empty" in capsys.readouterr().err
 

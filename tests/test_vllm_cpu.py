@@ -48,7 +48,7 @@ def _model(**over):
 def engine(cache):
     import time
 
-    from unstable_dask.engines import get_engine
+    from unstable_dask.inference.engine import get_engine
     t0 = time.perf_counter()
     eng = get_engine(_model())
     print(f"\nvllm-cpu engine start: {time.perf_counter() - t0:.1f} s")
@@ -58,12 +58,12 @@ def engine(cache):
 
 @pytest.fixture(scope="module")
 def adapters(engine, tmp_path_factory):
-    from unstable_dask.models import resolve_model
+    from unstable_dask.inference.weights import resolve_model
     return random_adapters(resolve_model("builtin:tiny"), tmp_path_factory)
 
 
 def test_vllm_cpu_generates_a_batch(engine):
-    from unstable_dask.vllm_engine import VLLMEngine
+    from unstable_dask.inference.vllm_engine import VLLMEngine
     assert isinstance(engine, VLLMEngine)
     gens = engine.generate(sample_prompts(engine))
     assert len(gens) == 3
@@ -78,8 +78,8 @@ def test_vllm_cpu_on_policy_ratio_is_one(engine):
     """processed_logprobs at temperature 0.7, top_p 0.95 are sampling_logprobs: a plain fp32 transformers
     forward pass over prompt + completion_token_ids reproduces each (logprob_check: within fp32 noise, or
     the one-token normaliser jump of a nucleus-boundary flip)."""
-    from unstable_dask.engines import encode_prompts, get_engine, prompt_budget
-    from unstable_dask.models import resolve_model
+    from unstable_dask.inference.engine import encode_prompts, get_engine, prompt_budget
+    from unstable_dask.inference.weights import resolve_model
     cfg = _model(temperature=0.7, top_p=0.95, max_new_tokens=24)
     hot = get_engine(cfg)
     assert hot.vm is engine.vm  # sampling settings do not start a second vllm engine
@@ -104,8 +104,8 @@ def test_vllm_cpu_on_policy_ratio_is_one(engine):
 
 
 def test_vllm_cpu_draws_from_the_recorded_distribution(engine):
-    from unstable_dask.engines import get_engine
-    from unstable_dask.models import resolve_model
+    from unstable_dask.inference.engine import get_engine
+    from unstable_dask.inference.weights import resolve_model
     one = get_engine(_model(temperature=0.7, top_p=0.95, max_new_tokens=1))
     mean, expected, se = draw_statistics(one, resolve_model("builtin:tiny"), sample_prompts(engine)[0], 2000, 0.7, 0.95)
     assert abs(mean - expected) < 4 * se
@@ -133,10 +133,10 @@ def _child_pids() -> list[int]:
 
 def test_round_with_vllm_backend(tmp_path, cache):
     """A real round: TextArena games on a Dask worker whose engine is vllm-cpu."""
-    from unstable_dask import lake as lk
-    from unstable_dask.cluster import open_client
+    from unstable_dask.lake import core as lk
+    from unstable_dask.cluster.client import open_client
     from unstable_dask.jobfile import load_job
-    from unstable_dask.round import play_round
+    from unstable_dask.play.round import play_round
     job = load_job("jobs/demo.toml", {
         "run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),
         "model.backend": "vllm", "model.max_new_tokens": 16, "model.max_model_len": 512,
@@ -147,7 +147,7 @@ def test_round_with_vllm_backend(tmp_path, cache):
     with open_client(job.cluster) as client:
         # the worker inherits this process's env (KV cache size, spawn); the engine is built there
         s = play_round(job, client=client)
-        backends = client.run(lambda: sorted({type(e).__name__ for e in __import__("unstable_dask.engines").engines.resident_engines()}))
+        backends = client.run(lambda: sorted({type(e).__name__ for e in __import__("unstable_dask.inference.engine").inference.engine.resident_engines()}))
         children = [pid for pids in client.run(_child_pids).values() for pid in pids]  # vLLM's engine core
     assert s.games == 4
     assert list(backends.values()) == [["VLLMEngine"]]

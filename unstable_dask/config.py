@@ -16,8 +16,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
                       model_validator)
 
-from . import algorithms
-from .templates import TEMPLATE_NAMES
+from unstable_dask.learn import algorithms
+from unstable_dask.play.prompts import TEMPLATE_NAMES
 
 
 class JobError(Exception):

@@ -10,8 +10,8 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
-from . import algorithms
-from .config import Job, JobError, reserved_uid
+from unstable_dask.learn import algorithms
+from unstable_dask.config import Job, JobError, reserved_uid
 
 
 def _loc(loc: tuple) -> str:
@@ -91,9 +91,9 @@ def check_learn_sql(job: Job) -> None:
     tables, so a misspelt transform, one in the wrong stage, a missing column or bad SQL fails
     when the job is loaded, with no lake present, not after a round was played."""
     # Imported here: these modules import this one.
-    from .lake import connect_empty
-    from .learn import Plan, build_query
-    from .rewards import STAGES, batch_query, parse_transform, run_batch_query
+    from unstable_dask.lake.core import connect_empty
+    from unstable_dask.learn.learner import Plan, build_query
+    from unstable_dask.learn.rewards import STAGES, batch_query, parse_transform, run_batch_query
 
     cfg, run = job.learn, job.run.name
     texts = {"final": cfg.final_transforms, "step": cfg.step_transforms, "sampling": cfg.sampling_transforms}

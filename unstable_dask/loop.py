@@ -12,10 +12,16 @@ from typing import Optional
 
 from rich.console import Console
 
-from . import lake as lk, ratings, report, trackers
-from .cluster import open_client
-from .config import Job, JobError
-from .learn import check_quantization, learn, plan, resolve_device
+from unstable_dask.lake import core as lk
+
+from unstable_dask.rate import ratings
+
+from unstable_dask.report import report
+
+from unstable_dask.report import trackers
+from unstable_dask.cluster.client import open_client
+from unstable_dask.config import Job, JobError
+from unstable_dask.learn.learner import check_quantization, learn, plan, resolve_device
 
 
 def _rate_and_report(job: Job, console: Console) -> None:
@@ -27,7 +33,7 @@ def _rate_and_report(job: Job, console: Console) -> None:
 def _compact(job: Job, console: Console) -> None:
     """Merge the run's per-task files so reads stay one file per round and table. A loop killed
     before this only leaves more files for the next compaction, which takes the whole run."""
-    from .maintain import compact
+    from unstable_dask.lake.maintain import compact
     merged = compact(job.run.lake, run=job.run.name)
     console.print(f"compacted run {job.run.name}: {sum(r for r, _ in merged.values())} files into "
                   f"{sum(a for _, a in merged.values())}", highlight=False)
@@ -74,7 +80,7 @@ def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = 
     `rounds` is the run's total, so re-running the same command after a kill finishes the job.
     Returns the LearnResults of the learner iterations this call made.
     """
-    from .round import play_round
+    from unstable_dask.play.round import play_round
     if rounds < 1:
         raise JobError(f"{job.source}: --rounds must be >= 1, got {rounds}")
     console = console or Console(stderr=True)

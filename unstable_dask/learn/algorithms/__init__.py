@@ -1,0 +1,100 @@
+"""The learning algorithms: the one list of them, and what each algorithm file declares.
+
+Adding an algorithm is one file plus one line in ALGORITHMS. The file reads top to bottom, cleanrl
+style: its math in the module docstring, then
+
+    SPEC = Spec(...)            what the learn job must give it (sampled unit, default transforms,
+                                behaviour log-probs, PPO epochs, a critic, groups)
+    class Args(...)             its hyperparameters; a field named like a `[learn]` key takes that
+                                key's value (make_args)
+    def update(models, batch, args, device) -> dict
+                                one update on one sampled batch; returns learner_steps metrics
+
+Algorithm files import torch inside their functions, never at module level: `load_job` reads
+SPEC to validate `[learn]`, and loading a job must not import torch (seconds).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, fields
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from unstable_dask.config import Job
+    from unstable_dask.learn.algorithms.reinforce import Tokens
+
+# name -> module. The one registration of an algorithm.
+ALGORITHMS = {
+    "reinforce": "unstable_dask.learn.algorithms.reinforce",
+    "a2c": "unstable_dask.learn.algorithms.a2c",
+    "grpo": "unstable_dask.learn.algorithms.grpo",
+    "gspo": "unstable_dask.learn.algorithms.gspo",
+}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What an algorithm needs from the learn job."""
+    # What the batch query samples whole: "turn" (single turns), "seat" (all turns of one seat of a
+    # game, in order: GAE needs them) or "group" (all turns of the G attempts of one (group_id, pid)).
+    unit: str
+    # Defaults for learn.final_transforms / learn.sampling_transforms when the job gives none
+    # (a job that lists transforms gets exactly those). Step transforms default the same for all.
+    final_transforms: tuple[str, ...]
+    sampling_transforms: tuple[str, ...]
+    # "rewards": sampling transforms run in the batch query, on the rewards; "advantages": the
+    # update applies them to the advantages it computes itself (Batch.transform, e.g. A2C's GAE).
+    sampling_on: str = "rewards"
+    behaviour_logprobs: bool = False  # update reads Batch.old_logp (importance ratios)
+    ppo_epochs: bool = False  # honours learn.ppo_epochs / learn.ppo_mini_batch_size
+    critic: bool = False  # the trainer builds a value model (Models.critic)
+    needs_groups: bool = False  # round.group_size >= 2 (group-relative advantages)
+
+
+class Models(Protocol):
+    """The trainable state an update works on (the Trainer)."""
+    policy: "torch.nn.Module"  # peft model: disable_adapter() gives the frozen base
+    optimizer: "torch.optim.Optimizer"
+    critic: Optional["torch.nn.Module"]  # Spec.critic: a ModuleDict(body=backbone + LoRA, head=Linear)
+    critic_optimizer: Optional["torch.optim.Optimizer"]
+
+
+@dataclass
+class Batch:
+    """One sampled batch as every update sees it (rows in the batch query's order)."""
+    tokens: "Tokens"
+    advantages: "torch.Tensor"  # [B] float64: the query's `advantage` column
+    temperature: list[float]  # the sampling settings each row was generated with (its round's)
+    top_p: list[float]
+    old_logp: "torch.Tensor"  # [B, T-1] behaviour log-probs, aligned like the learner's log-probs
+    has_old: "torch.Tensor"  # [B] bool: old_logp holds the row's behaviour log-probs
+    seats: list[tuple]  # (round, game_id, pid) per row
+    turns: list[int]
+    final_reward: list[float]  # the seat's final reward after the final transforms
+    step_reward: list[float]  # the turn's reward after the step transforms
+    # Spec.sampling_on == "advantages": the job's sampling transforms, on per-row values.
+    transform: Callable[[Sequence[float]], list[float]] = list
+
+    @property
+    def size(self) -> int:
+        return len(self.turns)
+
+
+def module(name: str) -> ModuleType:
+    return importlib.import_module(ALGORITHMS[name])
+
+
+def spec(name: str) -> Spec:
+    return module(name).SPEC
+
+
+def make_args(job: "Job", cls: type):
+    """An algorithm's Args from the job: every field named like a `[learn]` key gets its value."""
+    cfg = job.learn
+    values = {f.name: getattr(cfg, f.name) for f in fields(cls) if getattr(cfg, f.name, None) is not None}
+    if any(f.name == "max_generation_len" for f in fields(cls)):
+        values["max_generation_len"] = cfg.max_generation_len or job.model.max_new_tokens
+    return cls(**values)

@@ -1,0 +1,297 @@
+"""The learn job: one SQL query picks a batch, an algorithm updates the LoRA adapter, the lake
+gets a new checkpoint.
+
+Every batch of an iteration reads one snapshot of the lake (the Delta table versions taken when
+the iteration is planned); learner_steps records those versions, so `learn --preview --at-version
+<ckpt>` shows the very batch a checkpoint trained on.
+
+Order of writes (every name carries this attempt's id):
+  1. adapter (+ optimizer state, + critic for A2C) to <lake>/adapters/<run>/ckpt-<k>.<attempt>/
+     via a temp dir
+  2. learner_steps of iteration k, steps.<attempt>.parquet (a file no commit names yet)
+  3. the commit of iteration k (lake.commit_marker): claim `<run>/iteration=<k>` in the
+     checkpoints log, add the steps file to learner_steps, publish the checkpoints row
+A learn job killed before 3 leaves nothing visible and is simply run again (one killed inside 3
+is finished by the next `plan`); two racing learners cannot both claim iteration k. A learn job
+for a round already trained on (the newest checkpoint lists it) does nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+import duckdb
+import pyarrow as pa
+
+from unstable_dask.learn import algorithms
+from unstable_dask.lake import core as lk
+from unstable_dask.lake import storage as st
+from unstable_dask.lake.catalog import LEARNER_STEPS
+from unstable_dask.config import Job, JobError
+from unstable_dask.learn.rewards import batch_query, parse_transforms, run_batch_query, window_rounds
+
+
+@dataclass
+class Plan:
+    run: str
+    iteration: int
+    uid: str
+    parent_uid: str
+    parent_adapter: Optional[str]  # absolute dir, None for the base model
+    rounds: list[int]
+    # {table: Delta version}: every batch of the iteration reads this one snapshot, and
+    # learner_steps records it, so `learn --preview --at-version <uid>` reads the same rows later.
+    versions: dict[str, int] = field(default_factory=dict)
+    seeds: dict[int, int] = field(default_factory=dict)  # update -> recorded batch seed (replays only)
+
+
+@dataclass
+class LearnResult:
+    run: str
+    iteration: int
+    uid: str
+    adapter_path: Optional[str]
+    rounds: list[int]
+    steps: list[dict] = field(default_factory=list)
+    skipped: bool = False
+
+    def __str__(self) -> str:
+        if self.skipped:
+            return f"learn: {self.uid} already trained on rounds {self.rounds}; nothing to do"
+        last = self.steps[-1] if self.steps else {}
+        return (f"learn: {self.uid} (rounds {self.rounds}, {len(self.steps)} update(s), loss {last.get('loss', 0):.4f}, "
+                f"{last.get('tokens_per_s', 0):.0f} tok/s) -> {self.adapter_path}")
+
+
+def checkpoint_rows(lake: Union[str, Path], run: str) -> list[dict]:
+    if not lk.visible_files(lake, "checkpoints"):
+        return []
+    return sorted(lk.read_table(lake, "checkpoints", "run = ?", [run]).to_pylist(), key=lambda r: r["iteration"])
+
+
+def plan(job: Job) -> Optional[Plan]:
+    """What the next learn job trains: None when the newest committed round is already trained on."""
+    lake, run = job.run.lake, job.run.name
+    lk.finish_commits(lake, "checkpoints", run)  # an iteration whose learner died mid-commit
+    rounds = window_rounds(lake, run, job.learn.window)
+    versions = lk.table_versions(lake)  # taken after the window: the snapshot holds every round of it
+    if not rounds:
+        raise JobError(f"{job.source}: run '{run}' has no committed round in lake '{lake}'; play a round first")
+    ckpts = checkpoint_rows(lake, run)
+    parent = ckpts[-1] if ckpts else None
+    if parent is not None and max(parent["rounds_trained"] or [-1]) >= rounds[-1]:
+        return None
+    k = (parent["iteration"] if parent else 0) + 1
+    adapter = st.join(lake, parent["adapter_path"]) if parent and parent["adapter_path"] else None
+    return Plan(run, k, f"ckpt-{k}", parent["uid"] if parent else "base", adapter, rounds, versions)
+
+
+def recorded_plan(job: Job, at: str) -> Plan:
+    """The plan of an iteration already trained (`at`: its checkpoint uid or iteration number),
+    from its learner_steps rows: rounds, batch seeds and the table versions it read."""
+    lake, run = job.run.lake, job.run.name
+    key = "iteration = ?" if at.isdigit() else "checkpoint_uid = ?"
+    rows = lk.read_table(lake, "learner_steps", f"run = ? AND {key}", [run, int(at) if at.isdigit() else at]).to_pylist()
+    if not rows:
+        raise JobError(f"--at-version {at!r}: run '{run}' in lake '{lake}' has no learner iteration with that "
+                       "checkpoint uid or number (see: run sql \"SELECT iteration, uid FROM checkpoints\")")
+    if any(r["table_versions"] is None for r in rows):
+        raise JobError(f"--at-version {at!r}: learner_steps of {rows[0]['checkpoint_uid']} in lake '{lake}' record "
+                       "no table versions (trained before the lake kept them); its batch cannot be pinned")
+    first = min(rows, key=lambda r: r["update"])
+    return Plan(run, first["iteration"], first["checkpoint_uid"], "", None, list(first["rounds"]),
+                {t: int(v) for t, v in json.loads(first["table_versions"]).items() if v is not None},
+                {int(r["update"]): int(r["batch_seed"]) for r in rows})
+
+
+def batch_seed(job: Job, iteration: int, update: int) -> int:
+    blob = f"{job.run.seed}/{job.run.name}/{iteration}/{update}".encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:4], "little") >> 1
+
+
+def build_query(job: Job, p: Plan, update: int = 0, con=None) -> str:
+    """The batch query of one update: the job's transforms, the plan's window and seed."""
+    cfg = job.learn
+    final = parse_transforms(cfg.final_transforms, "final", con)
+    step = parse_transforms(cfg.step_transforms, "step", con)
+    spec = algorithms.spec(cfg.algorithm)
+    # Sampling transforms on the rewards here, or by the update on its own advantages (A2C).
+    sampling = parse_transforms(cfg.sampling_transforms, "sampling", con) if spec.sampling_on == "rewards" else []
+    seed = p.seeds[update] if update in p.seeds else batch_seed(job, p.iteration, update)
+    return batch_query(p.run, p.rounds, cfg.batch_size, seed, final, step, sampling, unit=spec.unit)
+
+
+def check_exact_tokens(con: duckdb.DuckDBPyConnection, job: Job, p: Plan) -> None:
+    """The learner trains on the ids the engine generated, under the round's sampling settings:
+    rounds played before the lake recorded them (completion_token_ids, group_id, the commit row's
+    temperature / top_p) cannot be trained on exactly, so they are refused, not approximated."""
+    rounds = ", ".join(str(int(r)) for r in p.rounds)
+    try:
+        old = con.execute(f"""SELECT DISTINCT round FROM turns WHERE run = ? AND round IN ({rounds}) AND split = 'train'
+            AND is_learner AND prompt_tokens > 0 AND (completion_token_ids IS NULL OR group_id IS NULL)
+            UNION SELECT round FROM rounds WHERE run = ? AND round IN ({rounds})
+            AND (temperature IS NULL OR top_p IS NULL) ORDER BY 1""", [p.run, p.run]).fetchall()
+    except duckdb.BinderException:  # no file of the lake has the columns yet
+        old = [(r,) for r in p.rounds]
+    if old:
+        raise JobError(f"{job.source}: round(s) {[r for (r,) in old]} of run '{p.run}' in lake '{job.run.lake}' were "
+                       "played before the lake recorded exact token ids and sampling settings "
+                       "(turns.completion_token_ids, rounds.temperature); the learner trains only on those: "
+                       "play new rounds (learn.window) or start a new run")
+
+
+def check_quantization(job: Job, device: str) -> None:
+    """A 4/8-bit learner needs CUDA and bitsandbytes: say so before a round or an update is spent."""
+    q = job.learn.quantization
+    if q == "none":
+        return
+    where = f"{job.source}: key 'learn.quantization' has value {q!r}"
+    if device != "cuda":
+        raise JobError(f"{where}: 4/8-bit learners need a CUDA GPU (bitsandbytes) and this learner runs on {device} "
+                       f"(learn.device = {job.learn.device!r}); use 'none' on CPU")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise JobError(f"{where}: the bitsandbytes package is not installed: pip install 'unstable-dask[quantization]'")
+
+
+def resolve_device(job: Job) -> str:
+    if job.learn.device != "auto":
+        return job.learn.device
+    from unstable_dask.cluster.client import task_resources, visible_gpus
+    return "cuda" if task_resources(job.cluster) or visible_gpus() else "cpu"
+
+
+def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None,
+          at_version: Optional[str] = None, update: int = 0) -> Union[LearnResult, str]:
+    """Train the next checkpoint of job.run.name on its sampling window (the Python twin of `run learn`).
+
+    show_sql: return the exact batch query of update `update`; preview: return the batch as text.
+    at_version (a trained checkpoint's uid or iteration, with show_sql / preview): the batch that
+    iteration trained on, read from the table versions it recorded.
+    On a GPU cluster the update runs as a Dask task on a GPU=1 worker (`client`, or one opened
+    from job.cluster); otherwise in this process.
+    """
+    if at_version is not None and not (show_sql or preview):
+        raise JobError(f"--at-version {at_version!r} shows a batch already trained on: use it with --preview or --show-sql")
+    p = plan(job) if at_version is None else recorded_plan(job, at_version)
+    if p is None:
+        ck = checkpoint_rows(job.run.lake, job.run.name)[-1]
+        if show_sql or preview:
+            raise JobError(f"{job.source}: {ck['uid']} already trained on the newest round; nothing to show")
+        return LearnResult(job.run.name, ck["iteration"], ck["uid"], ck["adapter_path"], ck["rounds_trained"], skipped=True)
+    con = lk.connect(job.run.lake, versions=p.versions)
+    try:
+        sql = build_query(job, p, update, con)
+        if show_sql:
+            return sql
+        check_exact_tokens(con, job, p)
+        if preview:
+            table = run_batch_query(con, sql)
+            cols = ["round", "game_id", "turn", "pid", "env_id", "env_reward", "final_reward", "step_reward", "advantage"]
+            return table.select(cols).to_pandas().to_string(max_rows=40) + f"\n({table.num_rows} rows)"
+    finally:
+        con.close()
+    device = resolve_device(job)
+    check_quantization(job, device)
+    from unstable_dask.cluster.client import task_resources
+    if device == "cuda" and task_resources(job.cluster, client):
+        def submit(c):  # the GPU lives on a worker: run there, beside that worker's resident engine
+            return c.submit(_train, job, p, device, resources={"GPU": 1}, pure=False,
+                            key=f"learn-{p.run}-{p.uid}-{time.time_ns()}").result()
+        if client is not None:
+            return submit(client)
+        from unstable_dask.cluster.client import open_client
+        with open_client(job.cluster) as own:
+            return submit(own)
+    return _train(job, p, device)
+
+
+def _train(job: Job, p: Plan, device: str) -> LearnResult:
+    import torch
+
+    from unstable_dask.learn.trainer import Trainer
+    from unstable_dask.inference.engine import resident_engines
+    engines = resident_engines() if device == "cuda" else []
+    swap: dict = {}
+    if engines:  # single-GPU mode: free the engine's GPU memory for the update
+        t = time.perf_counter()
+        for e in engines:
+            e.sleep()
+        swap.update(engine_sleep_s=time.perf_counter() - t, cuda_free_engine_asleep=torch.cuda.mem_get_info()[0])
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()  # cuda_mem_peak is the update's own, not the engine's generate
+    try:
+        trainer = Trainer(job, st.local_dir(p.parent_adapter) if p.parent_adapter else None, torch.device(device))
+        steps = []
+        for u in range(job.learn.updates_per_round):
+            con = lk.connect(job.run.lake, versions=p.versions)
+            try:
+                sql = build_query(job, p, u, con)
+                batch = run_batch_query(con, sql)
+            finally:
+                con.close()
+            if batch.num_rows == 0:
+                raise JobError(f"{job.source}: no learner turns to train on in rounds {p.rounds} of run '{p.run}' "
+                               "(learn.window, or games without learner seats)")
+            m = trainer.step(batch)
+            m.update(update=u, algorithm=job.learn.algorithm, checkpoint_uid=p.uid, batch_seed=batch_seed(job, p.iteration, u),
+                     rounds=p.rounds, device=device, created_at=lk.now(),
+                     table_versions=json.dumps(p.versions, sort_keys=True), **_cuda_memory(device))
+            steps.append(m)
+        # Attempt-named, like round files: a learner racing on the same iteration can never
+        # replace the adapter or steps of the attempt that committed it.
+        attempt = uuid.uuid4().hex[:8]
+        rel = f"adapters/{p.run}/{p.uid}.{attempt}"
+        _save_atomic(trainer, st.join(job.run.lake, rel))
+    finally:
+        t = time.perf_counter()
+        for e in engines:
+            e.wake_up()
+        if engines:
+            swap["engine_wake_s"] = time.perf_counter() - t
+    rows = [{k: s.get(k, swap.get(k)) for k in LEARNER_STEPS.names} for s in steps]
+    lk.write_table(job.run.lake, "learner_steps", p.run, p.iteration, f"steps.{attempt}",
+                   pa.Table.from_pylist(rows, schema=LEARNER_STEPS))
+    try:
+        lk.write_table(job.run.lake, "checkpoints", p.run, p.iteration, "checkpoint", [dict(
+            attempt=attempt, uid=p.uid, parent_uid=p.parent_uid, adapter_path=rel, base_model=job.model.base,
+            rounds_trained=p.rounds, algorithm=job.learn.algorithm, created_at=lk.now())], exclusive=True)
+    except FileExistsError:
+        st.delete(st.join(job.run.lake, rel))
+        raise JobError(f"{p.uid} of run '{p.run}' was committed by another learner while this one trained; "
+                       "nothing of this attempt is visible") from None
+    lk.remove_other_attempts(job.run.lake, "checkpoints", p.run, p.iteration, attempt)
+    for stale in st.list_dir(st.join(job.run.lake, "adapters", p.run)):  # killed attempts' adapters
+        if st.name(stale).startswith(f"{p.uid}.") and st.name(stale) != f"{p.uid}.{attempt}" and st.is_dir(stale):
+            st.delete(stale)
+    return LearnResult(p.run, p.iteration, p.uid, rel, p.rounds, steps)
+
+
+def _save_atomic(trainer, final: str) -> None:
+    """Adapter dir saved under a temp name, then moved (renamed, or uploaded to an object store)
+    to `final`, this attempt's own name: no reader sees half an adapter, since only the checkpoint
+    commit after it names it."""
+    parent = Path(final).parent if not st.is_remote(final) else Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".{st.name(final)}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        trainer.save(tmp)
+        (tmp / "trainer_state.json").write_text(json.dumps({"updates": trainer.updates}))
+        st.put_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _cuda_memory(device: str) -> dict:
+    if device != "cuda":
+        return {}
+    import torch
+    return dict(cuda_mem_allocated=torch.cuda.memory_allocated(), cuda_mem_reserved=torch.cuda.memory_reserved(),
+                cuda_mem_peak=torch.cuda.max_memory_allocated())

@@ -1,0 +1,370 @@
+"""Reward transforms as SQL, composed into ONE DuckDB query that returns the learner's batch.
+
+The three UnstableBaselines pipelines, each a list of small objects that render SQL:
+
+  final     once per game and learner seat, in canonical game order (round, game_id):
+            RoleAdvantageFormatter(tau), RoleAdvantageByEnvFormatter(tau)
+  step      once per turn, starting from the seat's transformed final reward:
+            RewardForFormat(reward, penalty), PenaltyForInvalidMove(reward, penalty)
+  sampling  over the sampled batch only:
+            NormalizeRewards(z_score), NormalizeRewardsByEnv(z_score), GroupRelativeAdvantage(by)
+            (A2C applies these to its GAE advantages instead: transform_values)
+
+Every transform reads a relation and returns the same columns with `reward` rewritten. A job may
+also give raw SQL: one SELECT over the relation named after its stage (`final`, `steps` or
+`batch`), returning the same columns. The composed query's CTEs, in order:
+
+  final_0 .. final    seats of train games of the run, rounds <= the window's last round
+                      (run, round, game_id, env_id, seed, pid, role, model_uid, is_learner,
+                      env_reward, reward); only learner seats reach `steps`
+  steps_0 .. steps    learner turns of the window's rounds joined with their seat's final reward
+                      (+ turn, group_id, format_ok, invalid_move, token counts, truncated,
+                      final_reward; no text: join `turns` for it)
+  batch_0 .. batch    `batch_size` rows of `steps`, chosen by ORDER BY hash(round, game_id, turn,
+                      pid, seed) LIMIT n (deterministic, no random()), plus step_reward; or whole
+                      seats / (group_id, pid) groups in hash order up to batch_size rows (at least
+                      one); batch_0 adds prompt, completion, completion_token_ids and logprobs from
+                      `turns` and the round's temperature and top_p from `rounds`
+and the query returns `batch` with `reward` renamed `advantage`, ordered by (round, game_id, turn).
+"""
+from __future__ import annotations
+
+import ast
+import math
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Sequence, Union
+
+import duckdb
+import pyarrow as pa
+
+from unstable_dask.config import JobError
+from unstable_dask.lake.core import check_select_only
+
+STAGES = ("final", "step", "sampling")
+_STAGE_REL = {"final": "final", "step": "steps", "sampling": "batch"}
+_KEY = {"final": "learn.final_transforms", "step": "learn.step_transforms", "sampling": "learn.sampling_transforms"}
+
+
+def _num(x: float) -> str:
+    """A float as an exact SQL DOUBLE literal (repr round-trips)."""
+    return f"CAST({float(x)!r} AS DOUBLE)"
+
+
+# ---------------------------------------------------------------- final: role advantage (EMA)
+
+@dataclass(frozen=True)
+class RoleAdvantageFormatter:
+    """A = r - b with b <- (1-tau) b + tau r per pid over games in (round, game_id) order, b0 = 0.
+
+    The baseline of learner seats is fed by learner seats only (opponents get separate EMAs).
+
+    The EMA is a linear recurrence, b_n = tau * sum_k (1-tau)^(n-k) r_k, so it is a windowed sum.
+    Weights (1-tau)^-k overflow for long histories, so rows are cut into blocks of K where
+    (1-tau)^K < 1e-18: inside a block the weights stay below 1e18, and a block only needs the
+    previous block's last b (anything older has decayed below double precision).
+    """
+    tau: float = 0.001
+    stage: ClassVar[str] = "final"
+    keys: ClassVar[str] = "is_learner, pid"  # `final` holds opponents' seats too; they get their own EMA
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.tau < 1.0:
+            raise ValueError(f"tau must be in (0, 1), got {self.tau}")
+
+    def sql(self, src: str) -> str:
+        q, tau, keys = 1.0 - self.tau, self.tau, self.keys
+        block = max(1, math.ceil(18 * math.log(10) / -math.log(q)))
+        b_end = f"{_num(tau)} * pow({_num(q)}, _i) * _cs"
+        return f"""SELECT * EXCLUDE (_n, _i, _j, _cs, _prev)
+    REPLACE (reward - ({b_end} + coalesce(pow({_num(q)}, _i + 1) * _prev, 0)) AS reward)
+  FROM (SELECT *, last_value(CASE WHEN _i = {block - 1} THEN {b_end} END IGNORE NULLS)
+                    OVER (PARTITION BY {keys} ORDER BY _n ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS _prev
+        FROM (SELECT *, sum(reward * pow({_num(q)}, -_i))
+                          OVER (PARTITION BY {keys}, _j ORDER BY _n ROWS UNBOUNDED PRECEDING) AS _cs
+              FROM (SELECT *, _n % {block} AS _i, _n // {block} AS _j
+                    FROM (SELECT *, row_number() OVER (PARTITION BY {keys} ORDER BY round, game_id) - 1 AS _n
+                          FROM {src}))))"""
+
+
+@dataclass(frozen=True)
+class RoleAdvantageByEnvFormatter(RoleAdvantageFormatter):
+    """RoleAdvantageFormatter with one baseline per (env_id, pid)."""
+    keys: ClassVar[str] = "is_learner, env_id, pid"
+
+
+# ---------------------------------------------------------------- step: format / invalid move
+
+@dataclass(frozen=True)
+class RewardForFormat:
+    """r += reward when the turn's answer had the \\boxed{} format, else r += penalty."""
+    reward: float
+    penalty: float = 0.0
+    stage: ClassVar[str] = "step"
+
+    def sql(self, src: str) -> str:
+        return (f"SELECT * REPLACE (reward + CASE WHEN coalesce(format_ok, false) THEN {_num(self.reward)} "
+                f"ELSE {_num(self.penalty)} END AS reward) FROM {src}")
+
+
+@dataclass(frozen=True)
+class PenaltyForInvalidMove:
+    """r += penalty when the turn was an invalid move, else r += reward."""
+    reward: float
+    penalty: float
+    stage: ClassVar[str] = "step"
+
+    def sql(self, src: str) -> str:
+        return (f"SELECT * REPLACE (reward + CASE WHEN coalesce(invalid_move, false) THEN {_num(self.penalty)} "
+                f"ELSE {_num(self.reward)} END AS reward) FROM {src}")
+
+
+# ---------------------------------------------------------------- sampling: over the batch
+
+def _normalize(src: str, partition: str, z_score: bool) -> str:
+    over = f"OVER (PARTITION BY {partition})" if partition else "OVER ()"
+    expr = f"reward - avg(reward) {over}"
+    if z_score:  # population std, like np.std; + 1e-8 outside the std (UB's precedence bug fixed)
+        expr = f"({expr}) / (stddev_pop(reward) {over} + 1e-8)"
+    return f"SELECT * REPLACE ({expr} AS reward) FROM {src}"
+
+
+@dataclass(frozen=True)
+class NormalizeRewards:
+    """r - mean(batch), or (r - mean) / (std + 1e-8) with z_score."""
+    z_score: bool = False
+    stage: ClassVar[str] = "sampling"
+
+    def sql(self, src: str) -> str:
+        return _normalize(src, "", self.z_score)
+
+
+@dataclass(frozen=True)
+class NormalizeRewardsByEnv:
+    """NormalizeRewards inside each env_id of the batch."""
+    z_score: bool = False
+    stage: ClassVar[str] = "sampling"
+
+    def sql(self, src: str) -> str:
+        return _normalize(src, "env_id", self.z_score)
+
+
+@dataclass(frozen=True)
+class GroupRelativeAdvantage:
+    """GRPO: z-score of the reward inside each group of the batch.
+
+    by="group" (default): a group is (group_id, pid), the G attempts of one seat of one start
+    state (round.group_size); every attempt (game) weighs the same however many turns it took:
+    w = 1/n_turns of the attempt, mu = sum w r / sum w, sd = sqrt(sum w (r - mu)^2 / sum w),
+    A = (r - mu) / (sd + 1e-8). With outcome rewards only, that is GRPO over the G outcomes.
+    by="prompt": turns with the same prompt text, each turn weighing the same.
+    """
+    by: str = "group"
+    stage: ClassVar[str] = "sampling"
+
+    def __post_init__(self) -> None:
+        if self.by not in ("group", "prompt"):
+            raise ValueError(f"by must be 'group' or 'prompt', got {self.by!r}")
+
+    def sql(self, src: str) -> str:
+        if self.by == "prompt":
+            return _normalize(src, "prompt", True)
+        g = "OVER (PARTITION BY group_id, pid)"
+        sd = f"sqrt(sum(_w * (reward - _mu) * (reward - _mu)) {g} / sum(_w) {g})"  # population, weighted
+        return f"""SELECT * EXCLUDE (_w, _mu) REPLACE ((reward - _mu) / ({sd} + 1e-8) AS reward)
+  FROM (SELECT *, sum(_w * reward) {g} / sum(_w) {g} AS _mu
+        FROM (SELECT *, 1.0 / count(*) OVER (PARTITION BY group_id, pid, round, game_id) AS _w FROM {src}))"""
+
+
+BUILTINS = {c.__name__: c for c in (RoleAdvantageFormatter, RoleAdvantageByEnvFormatter, RewardForFormat,
+                                    PenaltyForInvalidMove, NormalizeRewards, NormalizeRewardsByEnv,
+                                    GroupRelativeAdvantage)}
+
+
+@dataclass(frozen=True)
+class RawSQL:
+    """A user's SELECT over the stage's relation (`final`, `steps` or `batch`)."""
+    query: str
+    stage: str
+
+    def sql(self, src: str) -> str:
+        # The user's query sees its stage name bound to the previous step of the pipeline.
+        return f"WITH {_STAGE_REL[self.stage]} AS (SELECT * FROM {src}) SELECT * FROM ({self.query})"
+
+
+Transform = Union[RoleAdvantageFormatter, RewardForFormat, PenaltyForInvalidMove, NormalizeRewards,
+                  NormalizeRewardsByEnv, GroupRelativeAdvantage, RawSQL]
+
+_SQL_START = re.compile(r"^\s*(\(\s*)*(select|with|from|values)\b", re.IGNORECASE)
+
+
+def parse_transform(text: str, stage: str, con: Optional[duckdb.DuckDBPyConnection] = None) -> Transform:
+    """`"RewardForFormat(1.5)"` -> RewardForFormat(reward=1.5); SQL text -> RawSQL. Never evals."""
+    key = _KEY[stage]
+    if _SQL_START.match(text):
+        own = con is None
+        con = con or duckdb.connect(":memory:")
+        try:
+            check_select_only(con, text, what=f"{key} SQL")
+            if len(con.extract_statements(text)) != 1:
+                raise JobError(f"{key}: SQL transform must be exactly one SELECT statement")
+        finally:
+            if own:
+                con.close()
+        return RawSQL(text.strip().rstrip(";"), stage)
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        raise JobError(f"{key}: {text!r} is neither a transform like 'RewardForFormat(1.5)' nor a SELECT") from None
+    if isinstance(node, ast.Name):  # a bare name means default arguments
+        node = ast.Call(func=node, args=[], keywords=[])
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in BUILTINS):
+        raise JobError(f"{key}: {text!r} is not a known transform; expected one of {', '.join(BUILTINS)} or a SELECT")
+    cls = BUILTINS[node.func.id]
+    if cls.stage != stage:
+        raise JobError(f"{key}: {node.func.id} is a {cls.stage} transform and belongs in {_KEY[cls.stage]}")
+    try:
+        args = [ast.literal_eval(a) for a in node.args]
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        return cls(*args, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise JobError(f"{key}: bad arguments in {text!r} ({e})") from None
+
+
+def parse_transforms(texts: Sequence[str], stage: str,
+                     con: Optional[duckdb.DuckDBPyConnection] = None) -> list[Transform]:
+    return [parse_transform(t, stage, con) for t in texts]
+
+
+# ---------------------------------------------------------------- the composed query
+
+STEP_COLUMNS = ("turn", "group_id", "model_uid", "format_ok", "invalid_move", "prompt_tokens", "completion_tokens",
+                "truncated")
+# Text columns are joined to the sampled rows only: carrying 1M prompts through the join and the
+# top-N sort costs seconds, fetching a batch's worth costs milliseconds.
+TEXT_COLUMNS = ("prompt", "completion", "completion_token_ids", "logprobs")
+# The sampling settings of each row's round (its commit row): the learner's log-probs use them.
+ROUND_COLUMNS = ("temperature", "top_p")
+
+_UNITS = {"seat": "round, game_id, pid", "group": "group_id, pid"}
+
+
+def _sql_str(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def batch_query(run: str, rounds: Sequence[int], batch_size: int, seed: int,
+                final: Sequence[Transform], step: Sequence[Transform], sampling: Sequence[Transform],
+                unit: str = "turn") -> str:
+    """The ONE query returning the learner's batch for the given (already resolved) window.
+
+    `unit` is what is sampled: single turns (REINFORCE), whole seats of a game (A2C needs a seat's
+    turns in order for GAE) or whole (group_id, pid) groups (GRPO normalises inside a group).
+    """
+    if not rounds:
+        raise ValueError("empty window")
+    rounds_sql = ", ".join(str(int(r)) for r in sorted(rounds))
+    # All seats of train games: filtering is_learner here (a field of the unnested struct) makes
+    # DuckDB's join below ~10x slower; learner rows are picked on the turns side instead. Final
+    # transforms see the run's history up to the window (role advantage is an EMA over all past
+    # games); without any, the window's games suffice, and the query's cost stays flat in the rounds.
+    history = f"round <= {max(rounds)}" if final else f"round IN ({rounds_sql})"
+    ctes = [("final_0", f"""SELECT run, round, game_id, env_id, seed, pid, role, model_uid, is_learner,
+         reward AS env_reward, reward
+  FROM seats
+  WHERE run = {_sql_str(run)} AND split = 'train' AND {history}""")]
+    _chain(ctes, "final", final, "final_0")
+    cols = ", ".join(f"t.{c}" for c in STEP_COLUMNS)
+    ctes.append(("steps_0", f"""SELECT f.run, f.round, f.game_id, f.env_id, f.seed, f.pid, f.role, {cols},
+         f.env_reward, f.reward AS final_reward, f.reward
+  FROM turns t JOIN final f ON t.run = f.run AND t.round = f.round AND t.game_id = f.game_id AND t.pid = f.pid
+  WHERE t.run = {_sql_str(run)} AND t.round IN ({rounds_sql}) AND t.split = 'train' AND t.is_learner
+    AND t.prompt_tokens > 0"""))
+    _chain(ctes, "steps", step, "steps_0")
+    if unit == "turn":
+        ctes.append(("sample", f"""SELECT *, reward AS step_reward FROM steps
+  ORDER BY hash(round, game_id, turn, pid, {int(seed)}), round, game_id, turn, pid
+  LIMIT {int(batch_size)}"""))
+    else:  # whole units in hash order until batch_size turns are taken (at least one unit)
+        cols = _UNITS[unit]
+        ctes.append(("sample", f"""SELECT s.*, s.reward AS step_reward FROM steps s SEMI JOIN (
+    SELECT {cols} FROM (
+      SELECT {cols}, row_number() OVER w AS _k, sum(_n) OVER w AS _cum
+      FROM (SELECT {cols}, count(*) AS _n FROM steps GROUP BY {cols})
+      WINDOW w AS (ORDER BY hash({cols}, {int(seed)}), {cols} ROWS UNBOUNDED PRECEDING))
+    WHERE _cum <= {int(batch_size)} OR _k = 1) u USING ({cols})"""))
+    text = ", ".join([f"t.{c}" for c in TEXT_COLUMNS] + [f"r.{c}" for c in ROUND_COLUMNS])
+    ctes.append(("batch_0", f"""SELECT b.*, {text}
+  FROM sample b JOIN turns t ON t.run = b.run AND t.round = b.round AND t.game_id = b.game_id AND t.turn = b.turn
+    JOIN rounds r ON r.run = b.run AND r.round = b.round
+  WHERE t.run = {_sql_str(run)} AND t.round IN ({rounds_sql})"""))
+    _chain(ctes, "batch", sampling, "batch_0")
+    return f"{_with(ctes)}\nSELECT * EXCLUDE (reward), reward AS advantage FROM batch\nORDER BY round, game_id, turn, pid"
+
+
+def _chain(ctes: list[tuple[str, str]], name: str, transforms: Sequence[Transform], start: str) -> None:
+    """Append one CTE per transform, each reading the previous, and `name` for the last."""
+    prev = start
+    for i, t in enumerate(transforms, 1):
+        ctes.append((f"{name}_{i}", t.sql(prev)))
+        prev = f"{name}_{i}"
+    ctes.append((name, f"SELECT * FROM {prev}"))
+
+
+def _with(ctes: list[tuple[str, str]]) -> str:
+    # Inlined, not materialized: a materialized 1M-row CTE chain costs seconds (DuckDB 1.4+ materializes by default).
+    return "WITH " + ",\n".join(f"{n} AS NOT MATERIALIZED (\n  {s}\n)" for n, s in ctes)
+
+
+def transform_values(sampling: Sequence[Transform], batch, values: Sequence[float]) -> list[float]:
+    """The sampling transforms over the batch's rows with `reward` = `values`; the values they
+    return, in row order. For algorithms whose sampling transforms act on their own advantages
+    (A2C's GAE): the same SQL as in the batch query, run on the in-memory batch."""
+    if not sampling:
+        return [float(v) for v in values]
+    rows = batch.drop_columns([c for c in ("advantage", "reward", "_row") if c in batch.column_names])
+    rows = rows.append_column("reward", pa.array(values, pa.float64())).append_column(
+        "_row", pa.array(range(batch.num_rows), pa.int64()))
+    con = duckdb.connect(":memory:")
+    try:
+        con.register("batch_0", rows)
+        ctes: list[tuple[str, str]] = []
+        _chain(ctes, "batch", sampling, "batch_0")
+        out = con.sql(f"{_with(ctes)}\nSELECT reward FROM batch ORDER BY _row").fetchall()
+    except duckdb.Error as e:
+        raise JobError(f"learn.sampling_transforms: failed on the advantages ({str(e).splitlines()[0]})") from None
+    finally:
+        con.close()
+    if len(out) != batch.num_rows:
+        raise JobError(f"learn.sampling_transforms: returned {len(out)} rows for a batch of {batch.num_rows}; "
+                       "sampling transforms must keep every row")
+    return [r[0] for r in out]
+
+
+def window_rounds(lake, run: str, window: Union[str, int], upto: Optional[int] = None) -> list[int]:
+    """Committed rounds of `run` that a learner samples from: latest, all, or the last k."""
+    from unstable_dask.lake.core import committed_rounds
+    rounds = sorted(r for _, r in committed_rounds(lake, run) if upto is None or r <= upto)
+    if not rounds:
+        return []
+    if window == "latest":
+        return rounds[-1:]
+    if window == "all":
+        return rounds
+    if isinstance(window, int) and window > 0:
+        return rounds[-window:]
+    raise JobError(f"learn.window must be 'latest', 'all' or a positive integer, got {window!r}")
+
+
+def run_batch_query(con: duckdb.DuckDBPyConnection, sql: str):
+    """Run the composed query on a read-only lake connection; SQL mistakes become JobError."""
+    check_select_only(con, sql, what="learner batch query")
+    try:
+        table = con.sql(sql).to_arrow_table()
+    except duckdb.Error as e:
+        raise JobError(f"learn.*_transforms: the batch query failed ({str(e).splitlines()[0]})") from None
+    missing = {"prompt", "completion", "advantage", "env_id", "game_id", "turn"} - set(table.column_names)
+    if missing:
+        raise JobError(f"learn.*_transforms: the batch lacks column(s) {', '.join(sorted(missing))}; "
+                       "SQL transforms must keep every input column")
+    return table

@@ -1,0 +1,173 @@
+"""The learner's model state: base model + LoRA policy (+ a critic), optimizers, save/load, and
+the step that turns a batch query's rows into an algorithm's update (algorithms.py).
+
+A checkpoint directory is a standard peft adapter (adapter_config.json + adapter_model.safetensors,
+loadable by PeftModel.from_pretrained and vLLM's LoRARequest) plus what resuming exactly needs:
+optimizer.pt (AdamW state), trainer_state.json, and when the algorithm has a critic (A2C) critic/
+(its adapter, value_head.pt, critic_optimizer.pt). Precision: fp32 on CPU, bf16 base weights on
+CUDA (LoRA weights stay fp32), or with learn.quantization a 4/8-bit bitsandbytes base (QLoRA); the
+adapter files are the same either way.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import pyarrow as pa
+import torch
+
+from unstable_dask.learn import algorithms
+
+from unstable_dask.learn import tokens as policy
+from unstable_dask.config import Job
+from unstable_dask.learn.rewards import parse_transforms, transform_values
+
+
+def model_dtype(job: Job, device: torch.device) -> torch.dtype:
+    name = job.model.dtype
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def lora_config(job: Job, task_type: str):
+    from peft import LoraConfig
+    lc = job.model.lora
+    return LoraConfig(r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                      target_modules=list(lc.target_modules), task_type=task_type)
+
+
+def _quantized(cls, path: str, job: Job, device: torch.device):
+    """QLoRA's frozen base: 4-bit NF4 (double-quantized, bf16 compute) or 8-bit, through bitsandbytes."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+    compute = model_dtype(job, device)
+    bnb = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute)
+           if job.learn.quantization == "4bit" else BitsAndBytesConfig(load_in_8bit=True))
+    # A bitsandbytes model cannot be moved once loaded: it is placed on this GPU while loading.
+    gpu = device.index if device.index is not None else torch.cuda.current_device()
+    model = cls.from_pretrained(path, dtype=compute, quantization_config=bnb, device_map={"": gpu})
+    # Freezes the base and upcasts the remaining half-precision weights (norms, head) to fp32, as
+    # QLoRA trains; gradient checkpointing is switched on by _backbone like for any base.
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def _backbone(cls, path: str, job: Job, device: torch.device):
+    if job.learn.quantization == "none":
+        model = cls.from_pretrained(path, dtype=model_dtype(job, device)).to(device)
+    else:
+        model = _quantized(cls, path, job, device)
+    model.config.use_cache = False  # training: no KV cache (and required by gradient checkpointing)
+    if job.learn.gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _adamw(params, lr: float, job: Job) -> torch.optim.AdamW:
+    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr, weight_decay=job.learn.weight_decay)
+
+
+class Trainer:
+    def __init__(self, job: Job, parent_adapter: Optional[str], device: torch.device):
+        from peft import PeftModel, get_peft_model
+        from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+        from unstable_dask.inference.weights import resolve_model
+        self.job, self.cfg, self.device = job, job.learn, device
+        path = resolve_model(job.model.base)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.tokenizer.eos_token_id
+        torch.manual_seed(job.run.seed)  # LoRA init (A ~ kaiming, B = 0) and the value head
+        base = _backbone(AutoModelForCausalLM, path, job, device)
+        if parent_adapter:
+            self.policy = PeftModel.from_pretrained(base, parent_adapter, is_trainable=True)
+        else:
+            self.policy = get_peft_model(base, lora_config(job, "CAUSAL_LM"))
+        self.optimizer = _adamw(self.policy.parameters(), self.cfg.lr, job)
+        self.updates = 0
+        if parent_adapter and (Path(parent_adapter) / "optimizer.pt").is_file():
+            self.optimizer.load_state_dict(torch.load(Path(parent_adapter) / "optimizer.pt", map_location=device))
+            state = Path(parent_adapter) / "trainer_state.json"
+            self.updates = json.loads(state.read_text())["updates"] if state.is_file() else 0
+        self.algorithm = algorithms.module(self.cfg.algorithm)
+        self.spec: algorithms.Spec = self.algorithm.SPEC
+        self.args = algorithms.make_args(job, self.algorithm.Args)
+        self.sampling = (parse_transforms(self.cfg.sampling_transforms, "sampling")
+                         if self.spec.sampling_on == "advantages" else [])
+        self.critic = self.critic_optimizer = None
+        if self.spec.critic:
+            body = _backbone(AutoModel, path, job, device)
+            cdir = Path(parent_adapter) / "critic" if parent_adapter else None
+            if cdir is not None and (cdir / "adapter_config.json").is_file():
+                body = PeftModel.from_pretrained(body, str(cdir), is_trainable=True)
+            else:
+                body = get_peft_model(body, lora_config(job, "FEATURE_EXTRACTION"))
+            head = torch.nn.Linear(base.config.hidden_size, 1)
+            torch.nn.init.zeros_(head.weight)  # V = 0 at start: the first advantages are the returns
+            torch.nn.init.zeros_(head.bias)
+            if cdir is not None and (cdir / "value_head.pt").is_file():
+                head.load_state_dict(torch.load(cdir / "value_head.pt", map_location="cpu"))
+            self.critic = torch.nn.ModuleDict({"body": body, "head": head}).to(device)
+            self.critic_optimizer = _adamw(self.critic.parameters(), self.cfg.critic_lr, job)
+            if cdir is not None and (cdir / "critic_optimizer.pt").is_file():
+                self.critic_optimizer.load_state_dict(torch.load(cdir / "critic_optimizer.pt", map_location=device))
+
+    def batch(self, table: pa.Table) -> algorithms.Batch:
+        """The tensors an update needs from the batch query's rows: exact ids, advantages, settings."""
+        col = lambda name: table.column(name).to_pylist()  # noqa: E731
+        where = [f"turn {t} of game {g} (round {r})" for r, g, t in zip(col("round"), col("game_id"), col("turn"))]
+        prompts = policy.prompt_ids(self.tokenizer, col("prompt"), col("prompt_tokens"), where)
+        tokens = policy.tokenize(prompts, col("completion_token_ids"), self.cfg.max_train_len, self.pad_id)
+        old, has_old = policy.behaviour_logprobs(tokens, col("logprobs"))
+        return algorithms.Batch(
+            tokens=tokens, advantages=torch.tensor(col("advantage"), dtype=torch.float64),
+            temperature=col("temperature"), top_p=col("top_p"), old_logp=old, has_old=has_old,
+            seats=list(zip(col("round"), col("game_id"), col("pid"))), turns=col("turn"),
+            final_reward=col("final_reward"), step_reward=col("step_reward"),
+            transform=lambda values: transform_values(self.sampling, table, values))
+
+    def step(self, table: pa.Table) -> dict:
+        """One update on a batch from the lake query; returns the learner_steps metrics."""
+        t0 = time.perf_counter()
+        batch = self.batch(table)
+        m = self.algorithm.update(self, batch, self.args, self.device)
+        self.updates += 1
+        tokens = batch.tokens
+        lengths = tokens.attention_mask.sum(-1).float()
+        elapsed = time.perf_counter() - t0
+        # Advantage metrics describe what the actor trained on: the update's own when it computes
+        # them (A2C's transformed GAE), else the query's.
+        m.setdefault("advantage_mean", batch.advantages.mean().item())
+        m.setdefault("advantage_std", batch.advantages.std(unbiased=False).item())
+        if self.critic is not None:
+            m["critic_lr"] = self.cfg.critic_lr
+        m.update(lr=self.optimizer.param_groups[0]["lr"], samples=batch.size, tokens=int(lengths.sum()),
+                 train_tokens=int(tokens.loss_mask.sum()), tokens_per_s=float(lengths.sum()) / max(elapsed, 1e-9),
+                 step_time_s=elapsed, mean_train_len=lengths.mean().item(),
+                 pct_truncated=100.0 * tokens.truncated.float().mean().item(),
+                 reward_mean=_mean(table, "env_reward"), step_reward_mean=_mean(table, "step_reward"))
+        return m
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.policy.save_pretrained(str(directory))
+        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+        if self.critic is not None:
+            cdir = directory / "critic"
+            self.critic.body.save_pretrained(str(cdir))
+            torch.save(self.critic.head.state_dict(), cdir / "value_head.pt")
+            torch.save(self.critic_optimizer.state_dict(), cdir / "critic_optimizer.pt")
+
+
+def _mean(batch: pa.Table, name: str) -> Optional[float]:
+    if name not in batch.column_names or batch.num_rows == 0:
+        return None
+    vals = [v for v in batch.column(name).to_pylist() if v is not None]
+    return sum(vals) / len(vals) if vals else None

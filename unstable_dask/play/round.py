@@ -1,0 +1,183 @@
+"""The round job: schedule a round's games, play them as Dask tasks, commit the round.
+
+The driver alone writes the commit marker, after every task has written its files; until then
+readers see nothing of the round. Each driver attempt names its files with an attempt id, and
+the marker records the winning attempt: a killed round is simply run again (same game ids and
+seeds), and a second driver racing on the same round can neither commit it twice nor change the
+files of the attempt that won.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+from distributed import Client, as_completed, get_worker
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from unstable_dask.lake import core as lk
+from unstable_dask.cluster.client import open_client, task_resources
+from unstable_dask.config import Job, JobError
+from unstable_dask.inference.endpoints import require_keys
+from unstable_dask.inference.weights import resolve_model
+from unstable_dask.play.task import play_task
+from unstable_dask.play.schedule import Checkpoint, check_envs, list_checkpoints, schedule_round
+
+PROGRESS_TOPIC = "unstable_dask.progress"
+
+
+@dataclass
+class RoundSummary:
+    run: str
+    round: int
+    checkpoint_uid: str
+    games: int
+    turns: int
+    completion_tokens: int
+    wall_s: float
+    tasks: list[dict] = field(default_factory=list)
+    lake: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@contextlib.contextmanager
+def _in_job(job: Job):
+    """Prefix a JobError raised below with the job file it came from."""
+    try:
+        yield
+    except JobError as e:
+        msg = str(e)
+        raise JobError(msg if msg.startswith(job.source) else f"{job.source}: {msg}") from None
+
+
+def newest_checkpoint(lake: str, run: str) -> Checkpoint:
+    return list_checkpoints(lake, run)[-1]
+
+
+def _play_on_worker(task, model_cfg, round_cfg, lake, endpoints):
+    """The Dask task: play, and stream progress to the driver as worker events (throttled)."""
+    worker = get_worker()
+    last = [0.0, 0, 0]  # time sent, games not yet sent, tokens sent
+
+    def progress(games: int, tokens: int) -> None:
+        last[1] += games
+        now = time.monotonic()
+        if now - last[0] > 0.5 or last[1]:
+            worker.log_event(PROGRESS_TOPIC, {"games": last[1], "tokens": tokens - last[2]})
+            last[0], last[1], last[2] = now, 0, tokens
+
+    return play_task(task, model_cfg, round_cfg, lake, progress, endpoints)
+
+
+def play_round(job: Job, client: Optional[Client] = None, console: Optional[Console] = None) -> RoundSummary:
+    """Play and commit the next round of `job.run.name`; the Python twin of `run round`."""
+    console = console or Console(stderr=True)
+    lake, run = job.run.lake, job.run.name
+    check_envs(job)
+    with _in_job(job):
+        resolve_model(job.model.base)  # a missing model fails here, not on every worker; builds builtins once
+    lk.finish_commits(lake, "rounds", run)  # a round whose driver died mid-commit
+    last = lk.last_committed_round(lake, run)
+    round_ = 0 if last is None else last + 1
+    checkpoints = list_checkpoints(lake, run)
+    current = checkpoints[-1]
+    # Each attempt writes files of its own; only the attempt named by the commit marker is ever
+    # visible, so a concurrent or killed driver can never change a committed round.
+    attempt = uuid.uuid4().hex[:8]
+    tasks = [dataclasses.replace(t, attempt=attempt) for t in schedule_round(job, round_, current, checkpoints)]
+    require_keys(job, {s.endpoint for t in tasks for g in t.games for s in g.seats if s.endpoint})
+    started = lk.now()
+    t0 = time.perf_counter()
+    n_games = sum(len(t.games) for t in tasks)
+    with contextlib.ExitStack() as stack:
+        if client is None:
+            with _in_job(job):
+                client = stack.enter_context(open_client(job.cluster))
+        results = _run_tasks(client, job, tasks, n_games, round_, current, console)
+    wall = time.perf_counter() - t0
+    summary = RoundSummary(run, round_, current.uid, sum(r["games"] for r in results),
+                           sum(r["turns"] for r in results), sum(r["completion_tokens"] for r in results),
+                           wall, results, str(lake))
+    try:
+        lk.commit_round(lake, run, round_, dict(
+            attempt=attempt, checkpoint_uid=current.uid, games=summary.games, turns=summary.turns, tasks=len(tasks),
+            completion_tokens=summary.completion_tokens, temperature=job.model.temperature, top_p=job.model.top_p,
+            max_new_tokens=job.model.max_new_tokens, job_fingerprint=job.fingerprint(),
+            job=json.dumps(job.model_dump(mode="json"), sort_keys=True), started_at=started, committed_at=lk.now()))
+    except FileExistsError:
+        raise JobError(f"round {round_} of run {run!r} was committed by another driver while this one played; "
+                       f"nothing of this attempt is visible; run the command again for round {round_ + 1}") from None
+    lk.remove_other_attempts(lake, "rounds", run, round_, attempt)
+    return summary
+
+
+def _run_tasks(client: Client, job: Job, tasks, n_games: int, round_: int, current: Checkpoint,
+               console: Console) -> list[dict]:
+    lake = str(job.run.lake)
+    lock = threading.Lock()
+    counts = {"games": 0, "tokens": 0}
+    t0 = time.perf_counter()
+    with Progress(TextColumn("[bold]round {task.fields[round]}[/bold] {task.fields[ckpt]}"), BarColumn(),
+                  MofNCompleteColumn(), TextColumn("games  {task.fields[tps]:.0f} tok/s"), TimeElapsedColumn(),
+                  console=console, transient=False) as bar:
+        tid = bar.add_task("play", total=n_games, round=round_, ckpt=current.uid, tps=0.0)
+
+        def on_event(event) -> None:
+            _, msg = event
+            with lock:
+                counts["games"] += msg["games"]
+                counts["tokens"] += msg["tokens"]
+                bar.update(tid, completed=min(counts["games"], n_games),
+                           tps=counts["tokens"] / max(time.perf_counter() - t0, 1e-9))
+
+        resources = task_resources(job.cluster, client)
+        client.subscribe_topic(PROGRESS_TOPIC, on_event)
+        try:
+            futures = [client.submit(_play_on_worker, t, job.model, job.round, lake, job.endpoints, pure=False,
+                                     key=f"play-{t.run}-r{t.round}-{t.key}-{time.time_ns()}",
+                                     resources=resources, retries=2)
+                       for t in tasks]
+            # Take each result as soon as its task ends and release it: a worker retiring at its
+            # --lifetime then holds no results, so its retirement stays graceful even when no
+            # other worker is up (results left on it would be lost and recomputed).
+            index = {f.key: i for i, f in enumerate(futures)}
+            results = [None] * len(futures)
+            for fut in as_completed(futures):
+                results[index[fut.key]] = fut.result()
+                fut.release()
+        finally:
+            client.unsubscribe_topic(PROGRESS_TOPIC)
+        bar.update(tid, completed=n_games,
+                   tps=sum(r["completion_tokens"] for r in results) / max(time.perf_counter() - t0, 1e-9))
+    return results
+
+
+def round_stats(lake: str, run: str, round_: int) -> list[dict]:
+    """Per model and split: games, W/D/L, format success, invalid-move rate (from the lake)."""
+    return lk.query(lake, """
+        WITH s AS (
+            SELECT split, model_uid, game_id, reward,
+                   max(reward) OVER (PARTITION BY game_id) AS best,
+                   min(reward) OVER (PARTITION BY game_id) AS worst
+            FROM seats WHERE run = ? AND round = ?),
+        t AS (
+            SELECT split, model_uid, avg(format_ok::INT) AS format_ok, avg(invalid_move::INT) AS invalid_move,
+                   avg(completion_tokens) AS completion_tokens
+            FROM turns WHERE run = ? AND round = ? GROUP BY ALL)
+        SELECT s.split, s.model_uid, count(DISTINCT s.game_id) AS games,
+               sum((s.reward = s.best AND s.best > s.worst)::INT) AS wins,
+               sum((s.best = s.worst)::INT) AS draws,
+               sum((s.reward < s.best)::INT) AS losses,
+               any_value(t.format_ok) AS format_ok, any_value(t.invalid_move) AS invalid_rate,
+               any_value(t.completion_tokens) AS mean_tokens
+        FROM s LEFT JOIN t USING (split, model_uid)
+        GROUP BY ALL ORDER BY s.split DESC, s.model_uid""", [run, round_, run, round_]).to_pylist()

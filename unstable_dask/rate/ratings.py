@@ -1,0 +1,377 @@
+"""The rate job: replay every committed game of a run and write TrueSkill + Bradley-Terry tables.
+
+Replay rules (the ratings are a pure function of the lake):
+
+* Order: committed rounds of `job.run.name`, each in (round, game_id) order; seats by pid.
+  Eval games are replayed too unless `[ratings] include_eval = false`.
+* Tracks: every game updates two independent TrueSkill tracks, the overall one (env_id '*')
+  and the one of its env_id.
+* Outcome: higher final reward = better rank, equal rewards share a rank. A single-player game
+  is played against a dummy opponent with a fresh prior each time (reward > 0 win, < 0 loss,
+  0 draw); the dummy is never stored. Games with a missing reward or model_uid are skipped.
+* Mirror self-play (one model_uid in every seat) says nothing about relative skill: such games
+  do not move TrueSkill or Bradley-Terry and are counted in `mirror_games` only. When a model
+  holds several (not all) seats of an N-player game, its seats merge into one team whose
+  reward is their mean, so each model is rated once per game.
+* Priors: a model enters a track at its first game there. A checkpoint inherits the current mu of
+  its nearest ancestor already in that track (lineage from the `checkpoints` table) with
+  sigma * inherit_sigma_factor, capped at the initial sigma; other models start at (mu, sigma).
+* Speed: 2-team games go through the closed-form update of `duels.py`, N-player games
+  through `trueskill.TrueSkill.rate`; both agree with the package to rounding.
+* Incremental: the replay state (every mu/sigma and counter) is saved in the lake table
+  `ratings_state`; a later rate job replays only rounds newer than the saved ones, which equals a
+  full replay. A rating-parameter change, a lineage change of a rated model, or a newly committed
+  round older than the saved state forces a full replay.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import trueskill
+
+from unstable_dask.rate import bradley_terry
+
+from unstable_dask.lake import catalog
+
+from unstable_dask.lake import core as lake
+
+from unstable_dask.lake import storage
+from unstable_dask.config import Job, JobError, RatingsConfig
+from unstable_dask.rate.duels import FAST, MIRROR, MULTI, SOLO, dense_ranks, enter_track, make_env, package_rate, replay_duels
+
+OVERALL = "*"
+
+# The tables this job writes: their schemas live in the catalog with every other table's.
+SCHEMAS: dict[str, pa.Schema] = {t: catalog.SCHEMAS[t] for t in ("ratings", "rating_history", "head_to_head", "ratings_state")}
+
+
+@dataclass
+class RatingsResult:
+    run: str
+    ratings: pa.Table
+    rating_history: pa.Table
+    head_to_head: pa.Table
+    games_rated: int  # games replayed by this job (new rounds only when incremental)
+    mirror_games: int
+    skipped_games: int  # missing reward or model_uid
+    rounds: list[int]
+    incremental: bool
+    paths: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        return (f"rate: {self.games_rated} games rated ({self.mirror_games} mirror self-play, not rated; "
+                f"{self.skipped_games} skipped) over {len(self.rounds)} rounds"
+                f"{' (incremental)' if self.incremental else ''} in {self.seconds:.1f} s")
+
+
+# ---------------------------------------------------------------- replay state
+
+class _State:
+    """mu/sigma/counters per slot = track * M + model, plus pairwise counts per track."""
+
+    def __init__(self, envs: list[str], models: list[str], parent_of: dict[str, str]):
+        self.envs, self.models = envs, models  # envs[0] == OVERALL; models sorted
+        self.env_ix = {e: i for i, e in enumerate(envs)}
+        self.model_ix = {m: i for i, m in enumerate(models)}
+        M, n = len(models), len(envs) * len(models)
+        self.mu, self.sg, self.seen = [0.0] * n, [0.0] * n, [False] * n
+        self.counts = np.zeros((n, 5), dtype=np.int64)  # games, wins, draws, losses, mirror
+        self.pairs: dict[tuple[int, int, int], np.ndarray] = {}  # (track, a, b), a < b -> [wins_a, draws, wins_b]
+        pm = [self.model_ix.get(parent_of.get(m, ""), -1) for m in models]
+        for m in range(M):  # a lineage loop would make enter_track spin forever
+            p, steps = pm[m], 0
+            while p >= 0:
+                p, steps = pm[p], steps + 1
+                if steps > M:
+                    raise JobError(f"checkpoints table: the lineage of {models[m]!r} loops back on itself")
+        self.parent = [t * M + p if p >= 0 else -1 for t in range(len(envs)) for p in pm]
+
+    def slot(self, env: str, model: str) -> int:
+        return self.env_ix[env] * len(self.models) + self.model_ix[model]
+
+    def add_pairs(self, track: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        """Count pairwise results of models a vs b (out: +1 a won, 0 draw, -1 b won) per track."""
+        M = len(self.models)
+        swap = a > b
+        lo, hi = np.where(swap, b, a), np.where(swap, a, b)
+        res = np.where(swap, -out, out)  # from lo's side
+        cell = ((track.astype(np.int64) * M + lo) * M + hi) * 3 + (1 - res)  # 0 lo won, 1 draw, 2 hi won
+        uniq, n = np.unique(cell, return_counts=True)
+        for c, k in zip(uniq.tolist(), n.tolist()):
+            key = (c // 3 // (M * M), c // 3 // M % M, c // 3 % M)
+            self.pairs.setdefault(key, np.zeros(3, dtype=np.int64))[c % 3] += k
+
+
+def _fingerprint(cfg: RatingsConfig, models: list[str], parent_of: dict[str, str]) -> str:
+    blob = json.dumps({"ts": [cfg.mu, cfg.sigma, cfg.beta, cfg.tau, cfg.draw_probability, cfg.inherit_sigma_factor,
+                              cfg.include_eval], "lineage": [[m, parent_of.get(m)] for m in models]})
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _state_path(lake_dir: lake.Lake, run: str) -> str:
+    return storage.join(lake.table_dir(lake_dir, "ratings_state", run), "state.parquet")
+
+
+def _load_state(lake_dir: lake.Lake, run: str, cfg: RatingsConfig, parent_of: dict[str, str],
+                committed: list[int]) -> Optional[tuple[pa.Table, list[int]]]:
+    """The saved state, if it may be extended by the rounds committed since; else None."""
+    path = _state_path(lake_dir, run)
+    if not lake.is_whole_parquet(path):
+        return None
+    table = storage.read_table(path)
+    meta = json.loads(table.schema.metadata[b"unstable_dask"])
+    done = meta["rounds"]
+    models = sorted(set(table.column("model_uid").to_pylist()) | set(table.column("model_b").drop_null().to_pylist()))
+    if meta["fingerprint"] != _fingerprint(cfg, models, parent_of) or not set(done) <= set(committed):
+        return None
+    if any(r <= max(done, default=-1) for r in set(committed) - set(done)):
+        return None  # a round older than the state was committed late: canonical order changed
+    return table, done
+
+
+# ---------------------------------------------------------------- reading and replaying games
+
+_GAMES_SQL = """SELECT round, game_id, env_id,
+       list_transform(list_sort(seats), lambda s: s.model_uid) AS uids,
+       list_transform(list_sort(seats), lambda s: s.reward) AS rewards
+FROM games WHERE run = ? AND round > ? {split} ORDER BY round, game_id"""
+
+
+def _read_games(con, run: str, include_eval: bool, after: int) -> pa.Table:
+    sql = _GAMES_SQL.format(split="" if include_eval else "AND split = 'train'")
+    return con.sql(sql, params=[run, after]).to_arrow_table()
+
+
+def _lineage(con, run: str) -> dict[str, str]:
+    return dict(con.sql("SELECT uid, parent_uid FROM checkpoints WHERE run = ? AND parent_uid IS NOT NULL "
+                        "ORDER BY uid", params=[run]).fetchall())
+
+
+def _flat(col: pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
+    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    lengths = pa.compute.fill_null(pa.compute.list_value_length(arr), 0).to_numpy(zero_copy_only=False)
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), pa.compute.list_flatten(arr)
+
+
+def _duels(st: _State, games: pa.Table) -> tuple[dict, np.ndarray, int]:
+    """Two duels per valid game (overall track, env track), counters and pair counts updated.
+
+    Returns the duel lists, each valid game's round, and the number of skipped games.
+    """
+    M = len(st.models)
+    off, uids = _flat(games.column("uids"))
+    _, rewards = _flat(games.column("rewards"))
+    ix = np.array([st.model_ix.get(u, -1) if u is not None else -1 for u in uids.dictionary_encode().dictionary.to_pylist()]
+                  + [-1], dtype=np.int64)
+    enc = uids.dictionary_encode().indices
+    codes = ix[pa.compute.fill_null(enc, len(ix) - 1).to_numpy(zero_copy_only=False)]
+    rew = pa.compute.fill_null(rewards.cast(pa.float64()), float("nan")).to_numpy(zero_copy_only=False)
+    n = np.diff(off)
+    bad_seats = np.concatenate([[0], np.cumsum((codes < 0) | np.isnan(rew))])
+    valid = (n > 0) & (bad_seats[off[1:]] == bad_seats[off[:-1]])  # skip games with a missing uid/reward
+    keep = np.flatnonzero(valid)
+    off0, n = off[keep], n[keep]
+    env = np.array([st.env_ix[e] for e in games.column("env_id").to_pylist()], dtype=np.int64)[keep]
+    rounds = games.column("round").to_numpy()[keep]
+    G = len(keep)
+    tr = np.stack([np.zeros(G, np.int64), env], axis=1)  # (G, 2): track per duel
+    m0 = codes[off0]
+    m1 = np.where(n >= 2, codes[np.minimum(off0 + 1, len(codes) - 1)], -1)
+    r0, r1 = rew[off0], np.where(n >= 2, rew[np.minimum(off0 + 1, len(rew) - 1)], 0.0)
+    kind = np.where(n == 1, SOLO, np.where(n > 2, MULTI, np.where(m0 == m1, MIRROR, FAST)))
+    out = np.sign(r0 - r1).astype(np.int64)
+    da = tr * M + m0[:, None]
+    db = np.where((kind == FAST)[:, None], tr * M + m1[:, None], -1)
+    payload: dict[int, tuple[list[int], list[int]]] = {}
+    for g in np.flatnonzero(kind == MULTI).tolist():
+        seat_m, seat_r = codes[off0[g]:off0[g] + n[g]].tolist(), rew[off0[g]:off0[g] + n[g]].tolist()
+        teams = list(dict.fromkeys(seat_m))  # distinct models in seat order
+        if len(teams) == 1:
+            kind[g] = MIRROR
+            continue
+        team_r = [float(np.mean([r for m, r in zip(seat_m, seat_r) if m == t])) for t in teams]
+        ranks = dense_ranks(team_r)
+        for k in (0, 1):
+            slots = [int(tr[g, k]) * M + t for t in teams]
+            payload[2 * g + k] = (slots, ranks)
+            for s, rk in zip(slots, ranks):
+                best_shared = ranks.count(0) > 1
+                st.counts[s, 0] += 1
+                st.counts[s, 1 if rk == 0 and not best_shared else 2 if rk == 0 else 3] += 1
+        for i in range(len(teams)):
+            for j in range(i + 1, len(teams)):
+                res = int(np.sign(ranks[j] - ranks[i]))
+                st.add_pairs(tr[g], np.full(2, teams[i]), np.full(2, teams[j]), np.full(2, res))
+    kinds2 = np.repeat(kind, 2)
+    # Order-independent counters, vectorised.
+    rated = np.isin(kind, (FAST, SOLO))
+    for k in (0, 1):
+        col = 1 + np.select([out > 0, out == 0], [0, 1], 2)  # wins, draws, losses columns of da
+        np.add.at(st.counts, (da[rated, k], 0), 1)
+        np.add.at(st.counts, (da[rated, k], col[rated]), 1)
+        fast = kind == FAST
+        np.add.at(st.counts, (db[fast, k], 0), 1)
+        np.add.at(st.counts, (db[fast, k], 4 - col[fast]), 1)
+        np.add.at(st.counts, (da[kind == MIRROR, k], 4), 1)
+    fast = kind == FAST
+    st.add_pairs(tr[fast].ravel(), np.repeat(m0[fast], 2), np.repeat(m1[fast], 2), np.repeat(out[fast], 2))
+    duels = {"da": da.ravel().tolist(), "db": db.ravel().tolist(), "dout": np.repeat(out, 2).tolist(),
+             "dkind": kinds2.tolist(), "payload": payload}
+    return duels, rounds, int(len(valid) - len(keep))
+
+
+def _slow(st: _State, cfg: RatingsConfig, duels: dict, k: int) -> None:
+    """Rate duel k with the package: an N-player game, or a 2-team game the closed form refused."""
+    if duels["dkind"][k] == MULTI:
+        slots, ranks = duels["payload"][k]
+    else:
+        slots, o = [duels["da"][k], duels["db"][k]], duels["dout"][k]
+        ranks = [0, 0] if o == 0 else [0, 1] if o > 0 else [1, 0]
+    for s in slots:
+        if s >= 0 and not st.seen[s]:
+            enter_track(s, st.mu, st.sg, st.seen, st.parent, cfg.mu, cfg.sigma, cfg.inherit_sigma_factor)
+    new = package_rate(cfg, [(st.mu[s], st.sg[s]) if s >= 0 else (cfg.mu, cfg.sigma) for s in slots], ranks)
+    for s, (m, sd) in zip(slots, new):
+        if s >= 0:
+            st.mu[s], st.sg[s] = m, sd
+
+
+def _replay(st: _State, cfg: RatingsConfig, duels: dict, rounds: np.ndarray, todo: list[int]) -> list[pa.Table]:
+    """Replay the duels round by round; return a rating_history snapshot after each round."""
+    margin = trueskill.calc_draw_margin(cfg.draw_probability, 2, env=make_env(cfg))
+    snaps, M = [], len(st.models)
+    args = (duels["da"], duels["db"], duels["dout"], duels["dkind"], st.mu, st.sg, st.seen, st.parent, cfg, margin)
+    for r in todo:
+        k, end = 2 * int(np.searchsorted(rounds, r, "left")), 2 * int(np.searchsorted(rounds, r, "right"))
+        while k < end:
+            k = replay_duels(k, end, *args)
+            if k < end:
+                _slow(st, cfg, duels, k)
+                k += 1
+        seen = np.flatnonzero(np.array(st.seen, dtype=bool))
+        mu, sg = np.array(st.mu)[seen], np.array(st.sg)[seen]
+        snaps.append(pa.table({
+            "round": pa.array(np.full(len(seen), r), pa.int64()),
+            "model_uid": [st.models[s % M] for s in seen.tolist()],
+            "env_id": [st.envs[s // M] for s in seen.tolist()],
+            "mu": mu, "sigma": sg, "conservative": mu - 3 * sg}, schema=SCHEMAS["rating_history"]))
+    return snaps
+
+
+# ---------------------------------------------------------------- output tables
+
+def _sorted(table: pa.Table, keys: list[tuple[str, str]]) -> pa.Table:
+    return table.sort_by(keys) if table.num_rows else table
+
+
+def _state_table(st: _State) -> pa.Table:
+    M, rows = len(st.models), []
+    for s in np.flatnonzero(np.array(st.seen, dtype=bool)).tolist():
+        g, w, d, l, mir = st.counts[s].tolist()
+        rows.append({"kind": "slot", "env_id": st.envs[s // M], "model_uid": st.models[s % M], "model_b": None,
+                     "mu": st.mu[s], "sigma": st.sg[s], "games": g, "wins": w, "draws": d, "losses": l, "mirror_games": mir})
+    for (t, a, b), (wa, d, wb) in sorted(st.pairs.items()):
+        rows.append({"kind": "pair", "env_id": st.envs[t], "model_uid": st.models[a], "model_b": st.models[b],
+                     "mu": None, "sigma": None, "games": int(wa + d + wb), "wins": int(wa), "draws": int(d),
+                     "losses": int(wb), "mirror_games": 0})
+    table = pa.Table.from_pylist(rows, schema=SCHEMAS["ratings_state"])
+    return _sorted(table, [("kind", "ascending"), ("env_id", "ascending"), ("model_uid", "ascending"),
+                           ("model_b", "ascending")])
+
+
+def _restore(st: _State, table: pa.Table) -> None:
+    for row in table.to_pylist():
+        if row["kind"] == "slot":
+            s = st.slot(row["env_id"], row["model_uid"])
+            st.mu[s], st.sg[s], st.seen[s] = row["mu"], row["sigma"], True
+            st.counts[s] = [row["games"], row["wins"], row["draws"], row["losses"], row["mirror_games"]]
+        else:
+            key = (st.env_ix[row["env_id"]], st.model_ix[row["model_uid"]], st.model_ix[row["model_b"]])
+            st.pairs[key] = np.array([row["wins"], row["draws"], row["losses"]], dtype=np.int64)
+
+
+def _outputs(state: pa.Table, cfg: RatingsConfig, seed: int) -> tuple[pa.Table, pa.Table]:
+    """ratings and head_to_head from the replay state (BT per track from the pairwise counts)."""
+    slots = [r for r in state.to_pylist() if r["kind"] == "slot"]
+    pairs = [r for r in state.to_pylist() if r["kind"] == "pair"]
+    bt: dict[tuple[str, str], tuple] = {}
+    for env in sorted({r["env_id"] for r in pairs}):
+        cells = [(r["model_uid"], r["model_b"], r["wins"], r["draws"], r["losses"]) for r in pairs if r["env_id"] == env]
+        res = bradley_terry.fit(cells, bootstrap=cfg.bootstrap, seed=seed)
+        for i, m in enumerate(res.models):
+            bt[(env, m)] = (float(res.score[i]), float(res.ci_low[i]), float(res.ci_high[i]), int(res.rank[i]))
+    rows = []
+    for r in slots:
+        score, lo, hi, rank = (None if v is None or v != v else v  # nan -> null
+                               for v in bt.get((r["env_id"], r["model_uid"]), (None,) * 4))
+        rows.append({**{k: r[k] for k in ("model_uid", "env_id", "mu", "sigma", "games", "wins", "draws", "losses",
+                                          "mirror_games")},
+                     "conservative": r["mu"] - 3 * r["sigma"], "bt_score": score, "bt_ci_low": lo, "bt_ci_high": hi,
+                     "rank": rank})
+    ratings = _sorted(pa.Table.from_pylist(rows, schema=SCHEMAS["ratings"]),
+                      [("env_id", "ascending"), ("conservative", "descending"), ("model_uid", "ascending")])
+    h2h = []
+    for r in pairs:
+        for a, b, wa in ((r["model_uid"], r["model_b"], r["wins"]), (r["model_b"], r["model_uid"], r["losses"])):
+            h2h.append({"env_id": r["env_id"], "model_a": a, "model_b": b, "games": r["games"], "wins_a": wa,
+                        "draws": r["draws"], "win_rate_a": (wa + 0.5 * r["draws"]) / r["games"]})
+    head = _sorted(pa.Table.from_pylist(h2h, schema=SCHEMAS["head_to_head"]),
+                   [("env_id", "ascending"), ("model_a", "ascending"), ("model_b", "ascending")])
+    return ratings, head
+
+
+# ---------------------------------------------------------------- the job
+
+def rate(job: Job, full: bool = False) -> RatingsResult:
+    """Replay the committed games of job.run.name and write ratings, rating_history, head_to_head.
+
+    `full=True` ignores the saved replay state (the result is the same, only slower).
+    """
+    t0 = time.perf_counter()
+    cfg, run, lake_dir = job.ratings, job.run.name, job.run.lake
+    committed = sorted(r for _, r in lake.committed_rounds(lake_dir, run))
+    con = lake.connect(lake_dir)
+    try:
+        parent_of = _lineage(con, run)
+        saved = None if full else _load_state(lake_dir, run, cfg, parent_of, committed)
+        done = saved[1] if saved else []
+        games = _read_games(con, run, cfg.include_eval, max(done, default=-1))
+    finally:
+        con.close()
+    old = saved[0] if saved else pa.Table.from_pylist([], schema=SCHEMAS["ratings_state"])
+    envs = [OVERALL] + sorted((set(old.column("env_id").to_pylist()) | set(games.column("env_id").to_pylist())) - {OVERALL})
+    models = sorted(set(old.column("model_uid").to_pylist()) | set(old.column("model_b").drop_null().to_pylist())
+                    | set(pa.compute.list_flatten(games.column("uids")).drop_null().to_pylist())
+                    | set(parent_of) | set(parent_of.values()))
+    st = _State(envs, models, parent_of)
+    _restore(st, old)
+    duels, rounds, skipped = _duels(st, games)
+    todo = [r for r in committed if r not in set(done)]
+    snaps = _replay(st, cfg, duels, rounds, todo)
+
+    history_path = storage.join(lake.table_dir(lake_dir, "rating_history", run), "rating_history.parquet")
+    if done and lake.is_whole_parquet(history_path):
+        prev = storage.read_table(history_path).cast(SCHEMAS["rating_history"])
+        snaps.insert(0, prev.filter(pa.compute.is_in(prev.column("round"), pa.array(done, pa.int64()))))
+    history = _sorted(pa.concat_tables(snaps) if snaps else SCHEMAS["rating_history"].empty_table(),
+                      [("round", "ascending"), ("env_id", "ascending"), ("model_uid", "ascending")])
+    state = _state_table(st)
+    ratings, head = _outputs(state, cfg, job.run.seed)
+    paths = [lake.write_table(lake_dir, name, run, None, name, table)
+             for name, table in (("ratings", ratings), ("rating_history", history), ("head_to_head", head))]
+    saved_models = sorted(set(state.column("model_uid").to_pylist()) | set(state.column("model_b").drop_null().to_pylist()))
+    meta = {"rounds": committed, "fingerprint": _fingerprint(cfg, saved_models, parent_of)}
+    state = state.replace_schema_metadata({"unstable_dask": json.dumps(meta)})
+    paths.append(lake.write_table(lake_dir, "ratings_state", run, None, "state", state))  # last: the commit point
+    kinds = np.array(duels["dkind"][::2], dtype=np.int64)
+    return RatingsResult(run=run, ratings=ratings, rating_history=history, head_to_head=head,
+                         games_rated=int(np.isin(kinds, (FAST, SOLO, MULTI)).sum()),
+                         mirror_games=int((kinds == MIRROR).sum()), skipped_games=skipped, rounds=committed, incremental=bool(done),
+                         paths=paths, seconds=time.perf_counter() - t0)
