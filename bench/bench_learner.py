@@ -65,7 +65,7 @@ def main() -> None:
     # Alternate the two so drift in machine load hits both alike; step 0 of each is a warm-up.
     ours_tps, bare_tps = [], []
     for i in range(args.steps + 1):
-        m, b = ours.step(batch), bare_step()
+        m, b = ours.update(batch), bare_step()
         if i:
             ours_tps.append(m["tokens_per_s"])
             bare_tps.append(b)

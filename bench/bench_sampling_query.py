@@ -17,7 +17,7 @@ import pyarrow as pa
 from common import row, save
 
 from unstable_dask.lake import core as lk
-from unstable_dask.config import LearnConfig
+from unstable_dask.learn.algorithms.reinforce import Config as LearnConfig
 from unstable_dask.learn.rewards import batch_query, parse_transforms, run_batch_query, window_rounds
 
 RUN = "bench"

@@ -15,8 +15,8 @@ import torch
 import test_reinforce
 from test_reinforce import ADV, CPU, PROMPTS, TOL, Bigram, as_batch, batch, hand, models
 from unstable_dask.learn.algorithms import a2c
-from unstable_dask.learn.algorithms.a2c import A2CArgs, gae, turn_rewards
-from unstable_dask.learn.algorithms.grpo import GRPOArgs, update
+from unstable_dask.learn.algorithms.a2c import gae, turn_rewards
+from unstable_dask.learn.algorithms.grpo import Config as GRPOConfig, update
 from unstable_dask.learn.tokens import behaviour_logprobs
 from unstable_dask.learn.rewards import NormalizeRewards, NormalizeRewardsByEnv, transform_values
 
@@ -88,7 +88,7 @@ def test_a2c_sampling_transforms_act_on_its_gae_advantages(transform):
     m.critic, m.critic_optimizer = critic, torch.optim.SGD(critic.parameters(), lr=0.0)
     b = as_batch(batch(), seats=seats, turns=turns, final_reward=final, step_reward=step,
                  transform=lambda v: transform_values([transform], table, v))
-    out = a2c.update(m, b, A2CArgs(mini_batch_size=2, grad_clip=1e9, max_generation_len=4), CPU)
+    out = a2c.update(m, b, a2c.Config(mini_batch_size=2, grad_clip=1e9, max_generation_len=4), CPU)
     # turn rewards r = (step - final) + final at the seat's last turn: [1.5, 1.0], [-2.0]; summed to go
     gae_adv = [1.5 + 1.0, 1.0, -2.0]
     by = {"EnvA": [0, 1], "EnvB": [2]} if isinstance(transform, NormalizeRewardsByEnv) else {"*": [0, 1, 2]}
@@ -187,7 +187,7 @@ def test_grpo_loss_and_grads_equal_hand_computation(kl_coef, mini):
     w0 = model.W.detach().clone()
     b = as_batch(batch(), logprobs=_old_logprobs(w0))
     assert b.has_old.tolist() == [True, True, False]
-    args = GRPOArgs(mini_batch_size=mini, grad_clip=1e9, normalization="constant", max_generation_len=4,
+    args = GRPOConfig(mini_batch_size=mini, grad_clip=1e9, normalization="constant", max_generation_len=4,
                     clip_ratio=0.2, kl_coef=kl_coef)
     m = update(models(model), b, args, CPU)
     old = [_logp(w0, prev, tok) - math.log(r or 1.0) for (_, prev, tok), r in zip(_steps(), RATIOS)]
@@ -204,7 +204,7 @@ def test_grpo_on_policy_without_kl_is_reinforce():
     """No behaviour logprobs: ratio 1 with the REINFORCE gradient, token for token."""
     model = BigramWithBase()
     w0 = model.W.detach().clone()
-    args = GRPOArgs(mini_batch_size=3, grad_clip=1e9, normalization="token-mean", max_generation_len=4)
+    args = GRPOConfig(mini_batch_size=3, grad_clip=1e9, normalization="token-mean", max_generation_len=4)
     update(models(model), as_batch(batch()), args, CPU)
     torch.testing.assert_close(model.W.grad, hand(w0, "token-mean")[1], **TOL)
 

@@ -9,18 +9,19 @@ import sys
 import pytest
 
 from unstable_dask.learn import algorithms
-from unstable_dask.config import JobError
+from unstable_dask.errors import JobError
 from unstable_dask.jobfile import load_job
 
 
 @pytest.mark.parametrize("name", list(algorithms.ALGORITHMS))
-def test_every_algorithm_file_declares_spec_args_update_and_math(name):
+def test_every_algorithm_file_declares_spec_config_update_and_math(name):
     mod = algorithms.module(name)
     assert isinstance(mod.SPEC, algorithms.Spec) and mod.SPEC.unit in ("turn", "seat", "group")
     assert list(inspect.signature(mod.update).parameters)[:4] == ["models", "batch", "args", "device"]
     assert "loss" in mod.__doc__ or "obj" in mod.__doc__  # its math, in its own docstring
     job = load_job(None, {"learn.algorithm": name, "round.group_size": 2, "round.train_games": 16})
-    args = algorithms.make_args(job, mod.Args)
+    args = job.learn
+    assert isinstance(args, mod.Config) and args.algorithm == name
     assert args.max_generation_len == job.model.max_new_tokens and args.mini_batch_size == job.learn.mini_batch_size
 
 
@@ -48,8 +49,10 @@ def test_default_transforms_are_the_algorithm_s_and_listed_ones_are_kept():
 @pytest.mark.parametrize("over,message", [
     ({"learn.algorithm": "grpo"}, "key 'learn.algorithm' has value 'grpo': its advantages compare G attempts"),
     ({"learn.algorithm": "gspo", "round.group_size": 1}, "set round.group_size >= 2 (it is 1)"),
-    ({"learn.ppo_epochs": 2}, "learn.ppo_epochs and learn.ppo_mini_batch_size apply to grpo, gspo"),
-    ({"learn.algorithm": "a2c", "learn.ppo_mini_batch_size": 8}, "key 'learn.algorithm' has value 'a2c'"),
+    ({"learn.ppo_epochs": 2}, "key 'learn.ppo_epochs' is a setting of grpo and gspo, and learn.algorithm 'reinforce' "
+                              "has no such setting"),
+    ({"learn.algorithm": "a2c", "learn.ppo_mini_batch_size": 8}, "learn.algorithm 'a2c' has no such setting"),
+    ({"learn.gspo_clip_low": 0.1}, "key 'learn.gspo_clip_low' is a setting of gspo, and learn.algorithm 'reinforce'"),
     ({"learn.algorithm": "grpo", "round.group_size": 2, "learn.ppo_mini_batch_size": 64},
      "key 'learn.ppo_mini_batch_size' has value 64: it must lie between learn.mini_batch_size (8) and learn.batch_size (32)"),
     ({"learn.algorithm": "ppo"}, "unknown algorithm 'ppo'; expected one of reinforce, a2c, grpo, gspo"),

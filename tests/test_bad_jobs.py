@@ -68,7 +68,7 @@ def test_sql_that_writes_is_refused(tmp_path, capsys):
 
 
 def test_shipped_jobs_load_by_name_from_anywhere(tmp_path, monkeypatch):
-    from unstable_dask.config import JobError
+    from unstable_dask.errors import JobError
     from unstable_dask.jobfile import load_job
     here = load_job(Path(__file__).parents[1] / "jobs" / "smollm2-cpu.toml")
     monkeypatch.chdir(tmp_path)  # outside the checkout, as after `pip install unstable-dask`

@@ -12,7 +12,8 @@ from distributed import Client, Nanny, Scheduler, SpecCluster
 
 from unstable_dask.lake import core as lk
 from unstable_dask.cluster.client import job_script, local_gpu_workers, open_client, task_resources, visible_gpus
-from unstable_dask.config import ClusterConfig, JobError
+from unstable_dask.config import ClusterConfig
+from unstable_dask.errors import JobError
 
 
 # ---------------------------------------------------------------- GPU discovery and local-gpu

@@ -10,7 +10,7 @@ import pytest
 from unstable_dask.lake import catalog
 from unstable_dask.lake import delta as dl
 from unstable_dask.lake import core as lk
-from unstable_dask.config import JobError
+from unstable_dask.errors import JobError
 from unstable_dask.lake.maintain import checksums, compact, vacuum
 from unstable_dask.lake.migrate import migrate
 

@@ -14,7 +14,9 @@ from typing import Callable
 import pyarrow.parquet as pq
 import pytest
 
-from unstable_dask.config import EndpointConfig, JobError, ModelConfig, RoundConfig
+from unstable_dask.config import EndpointConfig, ModelConfig, RoundConfig
+
+from unstable_dask.errors import JobError
 from unstable_dask.jobfile import load_job
 from unstable_dask.play.task import play_task
 from unstable_dask.play.schedule import RANDOM_UID, GameSpec, Seat, TaskSpec

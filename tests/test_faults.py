@@ -12,7 +12,8 @@ import pyarrow as pa
 import pytest
 
 from unstable_dask.lake import core as lk
-from unstable_dask.config import ClusterConfig, JobError
+from unstable_dask.config import ClusterConfig
+from unstable_dask.errors import JobError
 from unstable_dask.jobfile import load_job
 from unstable_dask.lake.migrate import migrate
 from unstable_dask.play.round import play_round

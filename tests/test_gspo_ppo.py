@@ -67,7 +67,7 @@ def test_gspo_loss_and_grads_equal_hand_computation(kl_coef, mini):
     model = BigramWithBase()
     w0 = model.W.detach().clone()
     old = [_f32(_logp(w0, prev, tok) - d) for (_, prev, tok), d in zip(_steps(), LOG_RATIOS)]
-    args = gspo.GSPOArgs(mini_batch_size=mini, grad_clip=1e9, normalization="constant", max_generation_len=4,
+    args = gspo.Config(mini_batch_size=mini, grad_clip=1e9, normalization="constant", max_generation_len=4,
                          kl_coef=kl_coef)
     assert (args.gspo_clip_low, args.gspo_clip_high) == (3e-4, 4e-4)  # the paper's
     m = gspo.update(models(model), as_batch(batch(), logprobs=_per_sample(old)), args, CPU)
@@ -84,7 +84,7 @@ def test_gspo_on_policy_is_sequence_mean_reinforce():
     """s_i = 1 on-policy: the gradient is REINFORCE's with token-mean normalisation."""
     model = BigramWithBase()
     w0 = model.W.detach().clone()
-    gspo.update(models(model), as_batch(batch()), gspo.GSPOArgs(mini_batch_size=2, grad_clip=1e9), CPU)
+    gspo.update(models(model), as_batch(batch()), gspo.Config(mini_batch_size=2, grad_clip=1e9, max_generation_len=4), CPU)
     torch.testing.assert_close(model.W.grad, hand(w0, "token-mean")[1], **TOL)
 
 
@@ -96,7 +96,7 @@ def test_two_epochs_of_two_mini_batches_equal_four_hand_steps():
     model = BigramWithBase()
     w0 = model.W.detach().clone()
     old = [_f32(_logp(w0, prev, tok)) for _, prev, tok in _steps()]  # on-policy, as the engine stored them
-    args = grpo.GRPOArgs(mini_batch_size=1, grad_clip=1e9, max_generation_len=4, clip_ratio=0.2,
+    args = grpo.Config(mini_batch_size=1, grad_clip=1e9, max_generation_len=4, clip_ratio=0.2,
                          ppo_epochs=2, ppo_mini_batch_size=2)
     m = grpo.update(models(model, lr=1.0), as_batch(batch(), logprobs=_per_sample(old)), args, CPU)
 
@@ -129,10 +129,10 @@ def test_on_policy_ratio_is_one_at_temperature_and_top_p():
     w0 = model.W.detach().clone()
     old = [_f32(sampling_logprobs(w0[prev], 0.7, 0.99)[tok].item()) for _, prev, tok in _steps()]
     b = as_batch(batch(), temperature=0.7, top_p=0.99, logprobs=_per_sample(old))
-    m = grpo.update(models(model), b, grpo.GRPOArgs(mini_batch_size=3, grad_clip=1e9, max_generation_len=4,
+    m = grpo.update(models(model), b, grpo.Config(mini_batch_size=3, grad_clip=1e9, max_generation_len=4,
                                                     clip_ratio=1e-4), CPU)
     assert m["clip_frac"] == 0.0
     ref = BigramWithBase()
     from unstable_dask.learn.algorithms import reinforce
-    reinforce.update(models(ref), b, reinforce.ReinforceArgs(mini_batch_size=3, grad_clip=1e9, max_generation_len=4), CPU)
+    reinforce.update(models(ref), b, reinforce.Config(mini_batch_size=3, grad_clip=1e9, max_generation_len=4), CPU)
     torch.testing.assert_close(model.W.grad, ref.W.grad, **TOL)

@@ -78,7 +78,7 @@ def test_readback_pandas_pyarrow_and_duckdb_shell_file(tmp_path):
 
 
 def test_user_sql_cannot_write_or_read_outside(tmp_path):
-    from unstable_dask.config import JobError
+    from unstable_dask.errors import JobError
     for sql in [f"COPY (SELECT 1) TO '{tmp_path}/x.csv'", "CREATE TABLE t AS SELECT 1", "ATTACH 'x.db'",
                 "INSTALL httpfs", "SET enable_external_access = true"]:
         with pytest.raises(JobError):
@@ -105,7 +105,7 @@ def test_sql_command_prints_table_csv_and_json(tmp_path, capsys):
 
 
 def test_a_lake_uri_other_than_s3_is_refused_when_the_job_loads():
-    from unstable_dask.config import JobError
+    from unstable_dask.errors import JobError
     from unstable_dask.jobfile import load_job
     for uri in ("gs://bucket/lake", "s3://", "file:///tmp/lake"):
         with pytest.raises(JobError, match=r"run\.lake.*local folder or an s3://bucket/prefix URI"):

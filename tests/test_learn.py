@@ -7,7 +7,7 @@ import torch
 import test_rewards
 from test_rewards import RUN
 from unstable_dask.lake import core as lk
-from unstable_dask.config import JobError
+from unstable_dask.errors import JobError
 from unstable_dask.jobfile import validate_job
 from unstable_dask.learn.learner import build_query, checkpoint_rows, learn, plan
 from unstable_dask.learn.rewards import run_batch_query
@@ -59,7 +59,7 @@ def test_learn_resumes_exactly_and_adapter_round_trips(tmp_path):
     # Reference: the same two updates in one process, never saved and reloaded.
     ref = Trainer(job, None, torch.device("cpu"))
     for p in (p1, p2):
-        ref.step(run_batch_query(lk.connect(lake), build_query(job, p)))
+        ref.update(run_batch_query(lk.connect(lake), build_query(job, p)))
     base = AutoModelForCausalLM.from_pretrained(resolve_model("builtin:tiny"), dtype=torch.float32)
     loaded = PeftModel.from_pretrained(base, str(lake / r2.adapter_path))
     got, want = lora_state(loaded), lora_state(ref.policy)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
-from unstable_dask.config import JobError
+from unstable_dask.errors import JobError
 from unstable_dask.inference.weights import SPECIAL_TOKENS, THINK_TOKENS, TINY_DIR, build_cached, resolve_model
 
 

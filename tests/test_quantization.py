@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from unstable_dask.learn import learner as learn_mod
-from unstable_dask.config import JobError
+from unstable_dask.errors import JobError
 from unstable_dask.jobfile import load_job
 
 

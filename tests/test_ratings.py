@@ -12,7 +12,7 @@ import synthetic_lake as sl
 from unstable_dask.rate import duels
 from unstable_dask.lake import core as lake
 from unstable_dask.rate import ratings
-from unstable_dask.config import JobError
+from unstable_dask.errors import JobError
 from unstable_dask.jobfile import default_job
 
 RUN = "syn"

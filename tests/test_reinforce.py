@@ -10,7 +10,7 @@ import torch
 
 from unstable_dask.learn.algorithms import Batch
 from unstable_dask.learn.tokens import Tokens, behaviour_logprobs, tokenize
-from unstable_dask.learn.algorithms.reinforce import ReinforceArgs, update
+from unstable_dask.learn.algorithms.reinforce import Config as ReinforceConfig, update
 
 V = 5
 
@@ -84,7 +84,7 @@ def hand(W, normalization, L=4, adv=ADV):
 def test_loss_and_grads_equal_hand_computation(normalization, mini):
     model = Bigram()
     w0 = model.W.detach().clone()
-    args = ReinforceArgs(mini_batch_size=mini, grad_clip=1e9, normalization=normalization, max_generation_len=4)
+    args = ReinforceConfig(mini_batch_size=mini, grad_clip=1e9, normalization=normalization, max_generation_len=4)
     m = update(models(model, lr=1.0), as_batch(batch()), args, CPU)
     loss, grad = hand(w0, normalization)
     assert m["loss"] == pytest.approx(loss, abs=1e-6)
@@ -97,7 +97,7 @@ def test_log_probs_are_those_of_the_sampling_distribution():
     model = Bigram()
     w0 = model.W.detach().clone()
     update(models(model), as_batch(batch(), temperature=0.5),
-           ReinforceArgs(mini_batch_size=3, grad_clip=1e9, max_generation_len=4), CPU)
+           ReinforceConfig(mini_batch_size=3, grad_clip=1e9, max_generation_len=4), CPU)
     loss, grad = hand(w0 / 0.5, "constant")
     torch.testing.assert_close(model.W.grad, grad / 0.5, **TOL)  # chain rule through W / T
 
@@ -110,7 +110,7 @@ def test_a_token_outside_the_nucleus_adds_no_gradient_and_no_nan():
     model = Bigram()
     w0 = model.W.detach().clone()
     m = update(models(model), as_batch(batch(), temperature=0.7, top_p=0.95),
-               ReinforceArgs(mini_batch_size=2, grad_clip=1e9, max_generation_len=4), CPU)
+               ReinforceConfig(mini_batch_size=2, grad_clip=1e9, max_generation_len=4), CPU)
     want, outside = torch.zeros_like(w0), 0
     for i, (p, (_, comp)) in enumerate(zip(PROMPTS, COMPLETIONS)):
         seq = p + comp
@@ -131,7 +131,7 @@ def test_prompt_and_padding_contribute_nothing():
     """Changing pad ids, or what the prompt says about its own tokens, leaves loss and grads unchanged."""
     def run(tokens):
         model = Bigram()
-        m = update(models(model), as_batch(tokens), ReinforceArgs(mini_batch_size=3, grad_clip=1e9, max_generation_len=4),
+        m = update(models(model), as_batch(tokens), ReinforceConfig(mini_batch_size=3, grad_clip=1e9, max_generation_len=4),
                    CPU)
         return m["loss"], model.W.grad.clone()
 
@@ -150,7 +150,7 @@ def test_prompt_and_padding_contribute_nothing():
 def test_grad_clip_bounds_the_update():
     model = Bigram()
     m = update(models(model, lr=1.0), as_batch(batch(), ADV * 100),
-               ReinforceArgs(mini_batch_size=3, grad_clip=0.2, max_generation_len=4), CPU)
+               ReinforceConfig(mini_batch_size=3, grad_clip=0.2, max_generation_len=4), CPU)
     assert m["grad_norm"] > 0.2
     assert model.W.grad.norm().item() == pytest.approx(0.2, rel=1e-6)
 
@@ -160,7 +160,7 @@ def test_tokenize_trains_on_the_engine_s_ids_and_masks_prompt_and_padding():
     are taken as stored, EOS included only when the engine generated it; nothing is re-encoded."""
     from transformers import AutoTokenizer
 
-    from unstable_dask.config import JobError
+    from unstable_dask.errors import JobError
     from unstable_dask.inference.engine import encode_prompts
     from unstable_dask.inference.weights import resolve_model
     from unstable_dask.learn.tokens import prompt_ids

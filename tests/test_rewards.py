@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from unstable_dask.lake import core as lk
-from unstable_dask.config import JobError
+from unstable_dask.errors import JobError
 from unstable_dask.learn.rewards import (GroupRelativeAdvantage, NormalizeRewards, NormalizeRewardsByEnv,
                                    PenaltyForInvalidMove, RewardForFormat, RoleAdvantageByEnvFormatter,
                                    RoleAdvantageFormatter, batch_query, parse_transform, parse_transforms,

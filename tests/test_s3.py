@@ -93,7 +93,7 @@ def test_a_deleted_file_of_a_committed_round_on_s3_is_named(s3):
     lk.commit_round(lake, "r", 0, {"attempt": "a", "checkpoint_uid": "base"})
     assert lk.query(lake, "SELECT count(*) AS n FROM games").to_pylist() == [{"n": 2}]
     storage.delete(f"{lake}/games/run=r/round=0/task-0001.a.parquet")
-    from unstable_dask.config import JobError
+    from unstable_dask.errors import JobError
     with pytest.raises(JobError, match="task-0001.a.parquet"):
         lk.query(lake, "SELECT count(*) FROM games")
 

@@ -14,7 +14,7 @@ import synthetic_lake as sl
 from unstable_dask.lake import core as lk
 from unstable_dask.rate import ratings
 from unstable_dask.report import trackers
-from unstable_dask.config import JobError
+from unstable_dask.errors import JobError
 from unstable_dask.jobfile import default_job, load_job
 
 pytest.importorskip("wandb")

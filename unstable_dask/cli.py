@@ -18,7 +18,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from unstable_dask.config import Job, JobError
+from unstable_dask.config import Job
+
+from unstable_dask.errors import JobError
 from unstable_dask.jobfile import load_job
 from unstable_dask.lake.storage import is_remote, root
 

@@ -13,15 +13,9 @@ import math
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator,
                       model_validator)
 
-from unstable_dask.learn import algorithms
-from unstable_dask.play.prompts import TEMPLATE_NAMES
-
-
-class JobError(Exception):
-    """A mistake in user input (job file, CLI value, SQL). Printed as one line, exit code 2."""
 
 
 # Limits, one place (README, "Job files"). Far past any real run; they turn a typo into an error at
@@ -50,7 +44,9 @@ def _insane(v: Any) -> Optional[str]:
 class _Strict(BaseModel):
     # strict: a number must be a number (no `true` for 1, no "4" for 4; an int is fine for a float);
     # allow_inf_nan: every float setting is finite. `_sane` applies MAX_INT to every field.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
+    # use_attribute_docstrings: a field's docstring is its description (cleanrl style, one place).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False,
+                              use_attribute_docstrings=True)
 
     @field_validator("*")
     @classmethod
@@ -120,13 +116,10 @@ class VllmConfig(_Strict):
     extra: dict[str, Any] = {}
 
 
-TEMPLATES = TEMPLATE_NAMES  # prompt templates (templates.py): UnstableBaselines' names + ours
-
-
 class ModelConfig(_Strict):
     base: str = "builtin:tiny"  # HF id, local path, builtin:tiny, builtin:smollm2-135m-instruct
     backend: Literal["hf", "vllm"] = "hf"
-    template: str = "qwen3-zs"
+    template: str = "qwen3-zs"  # a prompt template of play/prompts.py (checked by jobfile.py)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(64, gt=0)
@@ -135,13 +128,6 @@ class ModelConfig(_Strict):
     hf_max_batch: int = Field(64, gt=0)  # hf backend: most prompts in one generate call
     lora: LoraConfig = LoraConfig()
     vllm: VllmConfig = VllmConfig()
-
-    @field_validator("template")
-    @classmethod
-    def _known_template(cls, v: str) -> str:
-        if v not in TEMPLATES:
-            raise ValueError(f"unknown template {v!r}; expected one of {', '.join(TEMPLATES)}")
-        return v
 
 
 ClusterKind = Literal["local", "local-gpu", "slurm", "pbs", "lsf", "sge", "address"]
@@ -193,8 +179,6 @@ class EnvSpec(_Strict):
             self.num_actors = self.num_players
         if self.num_actors > self.num_players:
             raise ValueError(f"num_actors ({self.num_actors}) must be <= num_players ({self.num_players})")
-        if self.template is not None and self.template not in TEMPLATES:
-            raise ValueError(f"unknown template {self.template!r}; expected one of {', '.join(TEMPLATES)}")
         return self
 
 
@@ -243,33 +227,45 @@ class RoundConfig(_Strict):
 
 
 class LearnConfig(_Strict):
-    algorithm: str = "reinforce"  # a name in algorithms.ALGORITHMS
+    """[learn]: the settings every algorithm has.
+
+    Each algorithm declares its own settings (and its default reward transforms) in a subclass in
+    its file, `learn/algorithms/<name>.py`; jobfile.py validates `[learn]` with the subclass that
+    `algorithm` names, so a key the chosen algorithm does not have is an error, not ignored.
+    """
+    algorithm: str = "reinforce"
+    """A name in learn/algorithms ALGORITHMS: reinforce, a2c, grpo, gspo."""
     batch_size: int = Field(32, gt=0)
-    mini_batch_size: int = Field(8, gt=0)  # micro-batch: rows per forward/backward (gradient accumulation)
-    # PPO-style updates (algorithms with a clipped ratio): passes over one batch, rows per optimizer step
-    ppo_epochs: int = Field(1, gt=0)
-    ppo_mini_batch_size: Optional[int] = Field(None, gt=0)  # default: the whole batch, one step per epoch
+    """Rows (learner turns) per sampled batch; GRPO/GSPO and A2C take whole groups / seats up to it."""
+    mini_batch_size: int = Field(8, gt=0)
+    """Micro-batch: rows per forward/backward pass; gradients accumulate over the batch."""
     lr: float = Field(1e-5, gt=0.0)
-    critic_lr: float = Field(5e-5, gt=0.0)
+    """AdamW learning rate of the LoRA adapter."""
     grad_clip: float = Field(0.2, gt=0.0)
+    """Clip of the gradient's global norm before each optimizer step (UnstableBaselines: 0.2)."""
     weight_decay: float = Field(0.0, ge=0.0)
-    # Dr. GRPO: divide summed token log-probs by a constant (max_generation_len) or take the mean.
-    normalization: Literal["constant", "token-mean"] = "constant"
-    max_generation_len: Optional[int] = Field(None, gt=0)  # default: [model].max_new_tokens
-    max_train_len: Optional[int] = Field(None, gt=0)  # truncate prompt+completion to this
-    window: Union[Literal["latest", "all"], int] = "latest"  # rounds to sample: on-policy, all, or last k
+    """AdamW weight decay."""
+    max_train_len: Optional[int] = Field(None, gt=0)
+    """Truncate prompt + completion to this many tokens (prompt first, from the left); None: no cut."""
+    window: Union[Literal["latest", "all"], int] = "latest"
+    """Rounds a batch is sampled from: the newest (on-policy), all, or the last k."""
     updates_per_round: int = Field(1, gt=0)
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
-    gae_lambda: float = Field(1.0, ge=0.0, le=1.0)
-    clip_ratio: float = Field(0.2, gt=0.0)
-    gspo_clip_low: float = Field(3e-4, gt=0.0, lt=1.0)  # GSPO's sequence-ratio clip range
-    gspo_clip_high: float = Field(4e-4, gt=0.0)
-    kl_coef: float = Field(0.0, ge=0.0)
+    """Sampled batches (updates) per learner iteration, each with its own seed."""
     gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass: less memory, ~30% more compute."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # QLoRA: the frozen base loaded in 4 bit (NF4) or 8 bit through bitsandbytes, CUDA only; the
-    # adapters stay standard peft LoRA (served by vLLM on the unquantized base).
-    quantization: Literal["none", "4bit", "8bit"] = "none"  # declared after device, which it is checked against
+    """Where the update runs; auto: a GPU worker of the cluster, or this machine's GPU, else CPU."""
+    quantization: Literal["none", "4bit", "8bit"] = "none"
+    """QLoRA: the frozen base in 4 bit (NF4) or 8 bit through bitsandbytes, CUDA only; the adapter
+    stays standard peft LoRA (served on the unquantized base). Declared after `device`."""
+    final_transforms: list[str] = []
+    """Reward transforms once per game and learner seat (names with arguments, or one SELECT over
+    `final`); each algorithm's class sets its default."""
+    step_transforms: list[str] = ["RewardForFormat(1.5)", "PenaltyForInvalidMove(1.0, -1.0)"]
+    """Reward transforms once per turn (names, or one SELECT over `steps`): UnstableBaselines' defaults."""
+    sampling_transforms: list[str] = []
+    """Reward transforms over the sampled batch (names, or one SELECT over `batch`); each
+    algorithm's class sets its default."""
 
     @field_validator("quantization")
     @classmethod
@@ -278,28 +274,11 @@ class LearnConfig(_Strict):
             raise ValueError("4/8-bit learners need a CUDA GPU (bitsandbytes) and learn.device is 'cpu'; "
                              "use 'none' on CPU")
         return v
-    # Reward transforms, as built-in names with arguments (e.g. "RewardForFormat(1.5)") or raw SQL.
-    # Left out, final and sampling transforms are the algorithm's defaults (its SPEC); listed, exactly those.
-    final_transforms: Optional[list[str]] = None
-    step_transforms: list[str] = ["RewardForFormat(1.5)", "PenaltyForInvalidMove(1.0, -1.0)"]
-    sampling_transforms: Optional[list[str]] = None
-
-    @field_validator("algorithm")
-    @classmethod
-    def _known_algorithm(cls, v: str) -> str:
-        if v not in algorithms.ALGORITHMS:
-            raise ValueError(f"unknown algorithm {v!r}; expected one of {', '.join(algorithms.ALGORITHMS)}")
-        return v
 
     @model_validator(mode="after")
     def _mini(self) -> "LearnConfig":
         if self.mini_batch_size > self.batch_size:
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must be <= batch_size ({self.batch_size})")
-        spec = algorithms.spec(self.algorithm)
-        if self.final_transforms is None:
-            self.final_transforms = list(spec.final_transforms)
-        if self.sampling_transforms is None:
-            self.sampling_transforms = list(spec.sampling_transforms)
         return self
 
     @field_validator("window")
@@ -363,7 +342,9 @@ class Job(_Strict):
     model: ModelConfig = ModelConfig()
     cluster: ClusterConfig = ClusterConfig()
     round: RoundConfig = RoundConfig()
-    learn: LearnConfig = LearnConfig()
+    # The chosen algorithm's subclass of LearnConfig (jobfile.py picks it by learn.algorithm), kept
+    # whole when the job is dumped (SerializeAsAny), so the lake's copy of the job has every setting.
+    learn: SerializeAsAny[LearnConfig]
     ratings: RatingsConfig = RatingsConfig()
     endpoints: dict[str, EndpointConfig] = {}  # [endpoints.<name>]: opponents by that name
     # Where the job came from (a path or "<default>"), for messages; not part of the TOML.

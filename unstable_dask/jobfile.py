@@ -11,7 +11,9 @@ from typing import Any, Optional, Union
 from pydantic import ValidationError
 
 from unstable_dask.learn import algorithms
-from unstable_dask.config import Job, JobError, reserved_uid
+from unstable_dask.play.prompts import TEMPLATE_NAMES
+from unstable_dask.config import Job, reserved_uid
+from unstable_dask.errors import JobError
 
 
 def _loc(loc: tuple) -> str:
@@ -21,11 +23,16 @@ def _loc(loc: tuple) -> str:
     return ".".join(str(p) for p in loc if not tag(p)) or "<root>"
 
 
-def _format_error(source: str, err: ValidationError, raw: dict) -> str:
+def _format_error(source: str, err: ValidationError, prefix: tuple = (), algorithm: Optional[str] = None) -> str:
     e = err.errors()[0]
-    key = _loc(e["loc"])
+    key = _loc(prefix + tuple(e["loc"]))
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
+        if algorithm is not None and len(e["loc"]) == 1:  # a [learn] key of another algorithm?
+            owners = algorithms.owners(str(e["loc"][0]))
+            if owners:
+                return (f"{source}: key '{key}' is a setting of {' and '.join(owners)}, and learn.algorithm "
+                        f"{algorithm!r} has no such setting (remove it, or choose one of those algorithms)")
         return f"{source}: unknown key '{key}' (check the spelling; see README 'Job files' for the keys)"
     if e["type"] == "missing":
         return f"{source}: missing required key '{key}'"
@@ -35,17 +42,49 @@ def _format_error(source: str, err: ValidationError, raw: dict) -> str:
     return f"{source}: key '{key}' has value {value!r}: {msg}"
 
 
+def _learn_settings(raw: dict, source: str) -> Any:
+    """`[learn]` validated by the settings class of the algorithm it names."""
+    table = raw.get("learn", {})
+    if not isinstance(table, dict):
+        raise JobError(f"{source}: key 'learn' must be a table ([learn]), got {table!r}")
+    name = table.get("algorithm", "reinforce")
+    if not isinstance(name, str) or name not in algorithms.ALGORITHMS:
+        raise JobError(f"{source}: key 'learn.algorithm' has value {name!r}: unknown algorithm {name!r}; "
+                       f"expected one of "
+                       f"{', '.join(algorithms.ALGORITHMS)}")
+    try:
+        return algorithms.config_class(name).model_validate(table)
+    except ValidationError as err:
+        raise JobError(_format_error(source, err, ("learn",), name)) from None
+
+
 def validate_job(raw: dict, source: str = "<default>") -> Job:
     """A Job from parsed TOML, every setting checked (the learner's SQL included); JobError if not."""
+    learn = _learn_settings(raw, source)
     try:
-        job = Job.model_validate(raw)
+        job = Job.model_validate({**raw, "learn": learn})
     except ValidationError as err:
-        raise JobError(_format_error(source, err, raw)) from None
+        raise JobError(_format_error(source, err)) from None
     job.source = source
+    if getattr(learn, "max_generation_len", 0) is None:  # the algorithms' divisor defaults to the generation cap
+        learn.max_generation_len = job.model.max_new_tokens
+    _check_templates(job)
     _check_opponents(job)
     _check_algorithm(job)
     check_learn_sql(job)
     return job
+
+
+def _check_templates(job: Job) -> None:
+    """Every prompt template a job names is one of play/prompts.py."""
+    keys = [("model.template", job.model.template)]
+    for split in ("train", "eval"):
+        keys += [(f"round.{split}_envs[{i}].template", e.template)
+                 for i, e in enumerate(getattr(job.round, f"{split}_envs")) if e.template is not None]
+    for key, name in keys:
+        if name not in TEMPLATE_NAMES:
+            raise JobError(f"{job.source}: key '{key}' has value {name!r}: unknown template {name!r}; "
+                           f"expected one of {', '.join(TEMPLATE_NAMES)}")
 
 
 def _check_opponents(job: Job) -> None:
@@ -72,18 +111,9 @@ def opponent_error(job: Job, key: str, name: str) -> str:
 def _check_algorithm(job: Job) -> None:
     """What the chosen algorithm's SPEC requires of the rest of the job."""
     learn, spec = job.learn, algorithms.spec(job.learn.algorithm)
-    where = f"{job.source}: key 'learn.algorithm' has value {learn.algorithm!r}"
     if spec.needs_groups and job.round.group_size < 2:
-        raise JobError(f"{where}: its advantages compare G attempts of one start state; "
-                       f"set round.group_size >= 2 (it is {job.round.group_size})")
-    if not spec.ppo_epochs and (learn.ppo_epochs != 1 or learn.ppo_mini_batch_size is not None):
-        ppo = ", ".join(n for n in algorithms.ALGORITHMS if algorithms.spec(n).ppo_epochs)
-        raise JobError(f"{where}: it makes one optimizer step per batch; learn.ppo_epochs and "
-                       f"learn.ppo_mini_batch_size apply to {ppo}")
-    if learn.ppo_mini_batch_size is not None and not learn.mini_batch_size <= learn.ppo_mini_batch_size <= learn.batch_size:
-        raise JobError(f"{job.source}: key 'learn.ppo_mini_batch_size' has value {learn.ppo_mini_batch_size}: "
-                       f"it must lie between learn.mini_batch_size ({learn.mini_batch_size}) "
-                       f"and learn.batch_size ({learn.batch_size})")
+        raise JobError(f"{job.source}: key 'learn.algorithm' has value {learn.algorithm!r}: its advantages compare "
+                       f"G attempts of one start state; set round.group_size >= 2 (it is {job.round.group_size})")
 
 
 def check_learn_sql(job: Job) -> None:

@@ -20,7 +20,8 @@ from unstable_dask.report import report
 
 from unstable_dask.report import trackers
 from unstable_dask.cluster.client import open_client
-from unstable_dask.config import Job, JobError
+from unstable_dask.config import Job
+from unstable_dask.errors import JobError
 from unstable_dask.learn.learner import check_quantization, learn, plan, resolve_device
 
 

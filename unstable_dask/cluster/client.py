@@ -22,7 +22,9 @@ import dask
 from dask.utils import parse_bytes
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster, WorkerPlugin
 
-from unstable_dask.config import ClusterConfig, JobError
+from unstable_dask.config import ClusterConfig
+
+from unstable_dask.errors import JobError
 from unstable_dask.cluster.jobqueue import JOBQUEUE_KINDS, job_script, open_jobqueue_cluster, parse_duration
 
 __all__ = ["open_client", "task_resources", "job_script", "visible_gpus", "local_gpu_workers",

@@ -18,7 +18,9 @@ import dask_jobqueue
 from dask.utils import parse_bytes, parse_timedelta
 from dask_jobqueue.core import Job, JobQueueCluster
 
-from unstable_dask.config import ClusterConfig, JobError
+from unstable_dask.config import ClusterConfig
+
+from unstable_dask.errors import JobError
 
 JOBQUEUE_KINDS = ("slurm", "pbs", "lsf", "sge")
 

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
-from unstable_dask.config import JobError, ModelConfig
+from unstable_dask.config import ModelConfig
+
+from unstable_dask.errors import JobError
 from unstable_dask.inference.weights import resolve_model
 
 MAX_RESIDENT_ADAPTERS = 16  # least recently used adapters beyond this are unloaded

@@ -28,7 +28,7 @@ def _import_vllm():
         import vllm
         from vllm.lora.request import LoRARequest
     except ImportError as e:
-        from unstable_dask.config import JobError
+        from unstable_dask.errors import JobError
         raise JobError(f"model.backend is 'vllm' but vllm cannot be imported ({e}); "
                        "install it (pip install 'unstable-dask[gpu]') or use backend = 'hf'") from None
     return vllm, LoRARequest

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from unstable_dask.config import JobError
+from unstable_dask.errors import JobError
 from unstable_dask.lake.storage import cache_root
 
 # Bump a suffix when a recipe changes, so stale caches are never reused.

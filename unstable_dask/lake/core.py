@@ -328,7 +328,7 @@ def create_views(con: duckdb.DuckDBPyConnection, lake: Optional[Lake],
         try:
             con.execute(f"CREATE OR REPLACE VIEW {table} AS {view_sql(table, files, mixed)}")
         except (duckdb.IOException, duckdb.InvalidInputException) as e:  # a committed file is gone or torn: say which, never read fewer rows
-            from unstable_dask.config import JobError
+            from unstable_dask.errors import JobError
             raise JobError(f"lake {lake}: table {table!r} names a file that cannot be read "
                            f"({str(e).splitlines()[0]})") from None
     con.execute(SEATS_VIEW)
@@ -391,7 +391,7 @@ def connect_empty() -> duckdb.DuckDBPyConnection:
 
 def check_select_only(con: duckdb.DuckDBPyConnection, sql: str, what: str = "SQL") -> None:
     """Raise JobError unless `sql` is one or more SELECT statements (no COPY, INSERT, ATTACH...)."""
-    from unstable_dask.config import JobError
+    from unstable_dask.errors import JobError
     try:
         statements = con.extract_statements(sql)
     except duckdb.Error as e:
@@ -405,7 +405,7 @@ def query(lake: Lake, sql: str, params: Iterable = ()) -> pa.Table:
     """Run a user's SELECT over the committed lake (read-only) and return Arrow.
 
     A committed file that is missing or torn is an error naming it, never fewer rows."""
-    from unstable_dask.config import JobError
+    from unstable_dask.errors import JobError
     con = connect(lake)
     try:
         check_select_only(con, sql)

@@ -196,7 +196,7 @@ def register_duckdb(con, lake: Location) -> None:
         import fsspec
         fs = fsspec.filesystem(scheme)
     except (ImportError, ValueError) as e:
-        from unstable_dask.config import JobError
+        from unstable_dask.errors import JobError
         raise JobError(f"lake {lake}: reading a {scheme}:// lake with DuckDB needs its fsspec filesystem "
                        f"(pip install 'unstable-dask[s3]'): {e}") from None
     con.register_filesystem(fs)

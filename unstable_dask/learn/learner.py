@@ -35,7 +35,8 @@ from unstable_dask.learn import algorithms
 from unstable_dask.lake import core as lk
 from unstable_dask.lake import storage as st
 from unstable_dask.lake.catalog import LEARNER_STEPS
-from unstable_dask.config import Job, JobError
+from unstable_dask.config import Job
+from unstable_dask.errors import JobError
 from unstable_dask.learn.rewards import batch_query, parse_transforms, run_batch_query, window_rounds
 
 
@@ -240,7 +241,7 @@ def _train(job: Job, p: Plan, device: str) -> LearnResult:
             if batch.num_rows == 0:
                 raise JobError(f"{job.source}: no learner turns to train on in rounds {p.rounds} of run '{p.run}' "
                                "(learn.window, or games without learner seats)")
-            m = trainer.step(batch)
+            m = trainer.update(batch)
             m.update(update=u, algorithm=job.learn.algorithm, checkpoint_uid=p.uid, batch_seed=batch_seed(job, p.iteration, u),
                      rounds=p.rounds, device=device, created_at=lk.now(),
                      table_versions=json.dumps(p.versions, sort_keys=True), **_cuda_memory(device))
@@ -256,6 +257,9 @@ def _train(job: Job, p: Plan, device: str) -> LearnResult:
             e.wake_up()
         if engines:
             swap["engine_wake_s"] = time.perf_counter() - t
+    unknown = sorted({k for s in steps for k in s} - set(LEARNER_STEPS.names))
+    if unknown:  # a metric must have its column (lake/catalog.py), or it would be dropped unseen
+        raise RuntimeError(f"{job.learn.algorithm}'s update returned metrics that are not learner_steps columns: {unknown}")
     rows = [{k: s.get(k, swap.get(k)) for k in LEARNER_STEPS.names} for s in steps]
     lk.write_table(job.run.lake, "learner_steps", p.run, p.iteration, f"steps.{attempt}",
                    pa.Table.from_pylist(rows, schema=LEARNER_STEPS))

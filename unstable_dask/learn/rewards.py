@@ -38,7 +38,7 @@ from typing import ClassVar, Optional, Sequence, Union
 import duckdb
 import pyarrow as pa
 
-from unstable_dask.config import JobError
+from unstable_dask.errors import JobError
 from unstable_dask.lake.core import check_select_only
 
 STAGES = ("final", "step", "sampling")

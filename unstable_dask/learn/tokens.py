@@ -46,7 +46,7 @@ def prompt_ids(tokenizer: Any, prompts: Sequence[str], prompt_tokens: Sequence[i
 
     A prompt that encodes to fewer ids than the engine fed was not made by this tokenizer.
     """
-    from unstable_dask.config import JobError
+    from unstable_dask.errors import JobError
     from unstable_dask.inference.engine import encode_prompts
     out: list[Optional[list[int]]] = [None] * len(prompts)
     by_budget: dict[int, list[int]] = defaultdict(list)

@@ -98,7 +98,9 @@ class Trainer:
             self.updates = json.loads(state.read_text())["updates"] if state.is_file() else 0
         self.algorithm = algorithms.module(self.cfg.algorithm)
         self.spec: algorithms.Spec = self.algorithm.SPEC
-        self.args = algorithms.make_args(job, self.algorithm.Args)
+        if not isinstance(self.cfg, self.algorithm.Config):
+            raise TypeError(f"job.learn is a {type(self.cfg).__name__}, not {self.cfg.algorithm}'s Config: "
+                            "load jobs with jobfile.load_job / validate_job")
         self.sampling = (parse_transforms(self.cfg.sampling_transforms, "sampling")
                          if self.spec.sampling_on == "advantages" else [])
         self.critic = self.critic_optimizer = None
@@ -133,11 +135,11 @@ class Trainer:
             final_reward=col("final_reward"), step_reward=col("step_reward"),
             transform=lambda values: transform_values(self.sampling, table, values))
 
-    def step(self, table: pa.Table) -> dict:
+    def update(self, table: pa.Table) -> dict:
         """One update on a batch from the lake query; returns the learner_steps metrics."""
         t0 = time.perf_counter()
         batch = self.batch(table)
-        m = self.algorithm.update(self, batch, self.args, self.device)
+        m = self.algorithm.update(self, batch, self.cfg, self.device)
         self.updates += 1
         tokens = batch.tokens
         lengths = tokens.attention_mask.sum(-1).float()

@@ -23,7 +23,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from unstable_dask.lake import core as lk
 from unstable_dask.cluster.client import open_client, task_resources
-from unstable_dask.config import Job, JobError
+from unstable_dask.config import Job
+from unstable_dask.errors import JobError
 from unstable_dask.inference.endpoints import require_keys
 from unstable_dask.inference.weights import resolve_model
 from unstable_dask.play.task import play_task

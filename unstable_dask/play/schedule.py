@@ -19,7 +19,8 @@ import trueskill
 
 from unstable_dask.lake import core as lk
 from unstable_dask.lake import storage as st
-from unstable_dask.config import BASE_UID, RANDOM_UID, EnvSpec, Job, JobError
+from unstable_dask.config import BASE_UID, RANDOM_UID, EnvSpec, Job
+from unstable_dask.errors import JobError
 from unstable_dask.jobfile import opponent_error
 from unstable_dask.rate.duels import inherited, make_env
 

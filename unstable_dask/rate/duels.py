@@ -14,7 +14,9 @@ from typing import Callable, Optional, TypeVar
 
 import trueskill
 
-from unstable_dask.config import JobError, RatingsConfig
+from unstable_dask.config import RatingsConfig
+
+from unstable_dask.errors import JobError
 
 T = TypeVar("T")
 

@@ -42,7 +42,8 @@ from unstable_dask.lake import catalog
 from unstable_dask.lake import core as lake
 
 from unstable_dask.lake import storage
-from unstable_dask.config import Job, JobError, RatingsConfig
+from unstable_dask.config import Job, RatingsConfig
+from unstable_dask.errors import JobError
 from unstable_dask.rate.duels import FAST, MIRROR, MULTI, SOLO, dense_ranks, enter_track, make_env, package_rate, replay_duels
 
 OVERALL = "*"

@@ -37,7 +37,8 @@ from typing import Iterator, Optional, Union
 from unstable_dask.lake import core as lk
 
 from unstable_dask.report import report
-from unstable_dask.config import Job, JobError
+from unstable_dask.config import Job
+from unstable_dask.errors import JobError
 
 PROJECT = "unstable_dask"
 TAG = "unstable_dask.run"

@@ -3,28 +3,31 @@
 Adding an algorithm is one file plus one line in ALGORITHMS. The file reads top to bottom, cleanrl
 style: its math in the module docstring, then
 
-    SPEC = Spec(...)            what the learn job must give it (sampled unit, default transforms,
-                                behaviour log-probs, PPO epochs, a critic, groups)
-    class Args(...)             its hyperparameters; a field named like a `[learn]` key takes that
-                                key's value (make_args)
-    def update(models, batch, args, device) -> dict
+    SPEC = Spec(...)            what the learn job must give it (sampled unit, behaviour
+                                log-probs, a critic, groups)
+    class Config(LearnConfig)   its `[learn]` settings: the shared ones (config.LearnConfig) plus its
+                                own, each with its default and a docstring, and its default reward
+                                transforms; `algorithm` is a Literal of its name
+    def update(models, batch, args: Config, device) -> dict
                                 one update on one sampled batch; returns learner_steps metrics
+                                (every key a learner_steps column)
 
-Algorithm files import torch inside their functions, never at module level: `load_job` reads
-SPEC to validate `[learn]`, and loading a job must not import torch (seconds).
+jobfile.py validates a job's `[learn]` table with the Config of the algorithm it names, so a key
+that algorithm does not have is refused. Algorithm files import torch inside their functions,
+never at module level: loading a job reads their Config and must not import torch (seconds).
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
 
-    from unstable_dask.config import Job
-    from unstable_dask.learn.algorithms.reinforce import Tokens
+    from unstable_dask.config import LearnConfig
+    from unstable_dask.learn.tokens import Tokens
 
 # name -> module. The one registration of an algorithm.
 ALGORITHMS = {
@@ -41,15 +44,10 @@ class Spec:
     # What the batch query samples whole: "turn" (single turns), "seat" (all turns of one seat of a
     # game, in order: GAE needs them) or "group" (all turns of the G attempts of one (group_id, pid)).
     unit: str
-    # Defaults for learn.final_transforms / learn.sampling_transforms when the job gives none
-    # (a job that lists transforms gets exactly those). Step transforms default the same for all.
-    final_transforms: tuple[str, ...]
-    sampling_transforms: tuple[str, ...]
     # "rewards": sampling transforms run in the batch query, on the rewards; "advantages": the
     # update applies them to the advantages it computes itself (Batch.transform, e.g. A2C's GAE).
     sampling_on: str = "rewards"
     behaviour_logprobs: bool = False  # update reads Batch.old_logp (importance ratios)
-    ppo_epochs: bool = False  # honours learn.ppo_epochs / learn.ppo_mini_batch_size
     critic: bool = False  # the trainer builds a value model (Models.critic)
     needs_groups: bool = False  # round.group_size >= 2 (group-relative advantages)
 
@@ -91,10 +89,11 @@ def spec(name: str) -> Spec:
     return module(name).SPEC
 
 
-def make_args(job: "Job", cls: type):
-    """An algorithm's Args from the job: every field named like a `[learn]` key gets its value."""
-    cfg = job.learn
-    values = {f.name: getattr(cfg, f.name) for f in fields(cls) if getattr(cfg, f.name, None) is not None}
-    if any(f.name == "max_generation_len" for f in fields(cls)):
-        values["max_generation_len"] = cfg.max_generation_len or job.model.max_new_tokens
-    return cls(**values)
+def config_class(name: str) -> "type[LearnConfig]":
+    """The `[learn]` settings class of an algorithm."""
+    return module(name).Config
+
+
+def owners(key: str) -> list[str]:
+    """The algorithms whose settings include `key` (for the message when another one is chosen)."""
+    return [n for n in ALGORITHMS if key in config_class(n).model_fields]

@@ -21,24 +21,30 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, replace
-from typing import Sequence
+from dataclasses import replace
+from typing import Literal, Sequence
 
-from unstable_dask.learn.algorithms import reinforce
-from unstable_dask.learn.algorithms import Batch, Models, Spec
+from pydantic import Field
+
+from unstable_dask.learn.algorithms import Batch, Models, Spec, reinforce
 from unstable_dask.learn.tokens import clip_and_step, micro_batches
 
-SPEC = Spec(unit="seat", final_transforms=("RoleAdvantageByEnvFormatter()",), sampling_transforms=(),
-            sampling_on="advantages", critic=True)
+SPEC = Spec(unit="seat", sampling_on="advantages", critic=True)
 
 
-@dataclass
-class A2CArgs(reinforce.ReinforceArgs):
-    gamma: float = 1.0
-    gae_lambda: float = 1.0
-
-
-Args = A2CArgs
+class Config(reinforce.Config):
+    """[learn] with algorithm = "a2c": REINFORCE's settings (the actor's step) plus the critic's."""
+    algorithm: Literal["a2c"] = "a2c"  # type: ignore[assignment]
+    critic_lr: float = Field(5e-5, gt=0.0)
+    """AdamW learning rate of the critic (its own LoRA adapter and value head)."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE discount (UnstableBaselines: 1)."""
+    gae_lambda: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE lambda (UnstableBaselines: 1)."""
+    final_transforms: list[str] = ["RoleAdvantageByEnvFormatter()"]
+    sampling_transforms: list[str] = []
+    """Applied to the GAE advantages, not the rewards (UB's normalize_adv=True is
+    ["NormalizeRewardsByEnv(z_score=True)"]); default none, as UB's."""
 
 
 def critic_values(critic, input_ids, attention_mask, last_prompt):
@@ -74,7 +80,7 @@ def turn_rewards(seats: Sequence[tuple], turns: Sequence[int], final: Sequence[f
     return [(s - f) + (f if t == last[k] else 0.0) for k, t, f, s in zip(seats, turns, final, step)]
 
 
-def update(models: Models, batch: Batch, args: A2CArgs, device) -> dict:
+def update(models: Models, batch: Batch, args: Config, device) -> dict:
     import torch
     t0 = time.perf_counter()
     critic, tokens, n = models.critic, batch.tokens, batch.size

@@ -49,32 +49,51 @@ tokens).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
+from pydantic import Field, ValidationInfo, field_validator
+
+from unstable_dask.config import LearnConfig
 from unstable_dask.learn.algorithms import Batch, Models, Spec
 from unstable_dask.learn.tokens import clip_and_step, completion_logprobs, logits_of, micro_batches, normalizer
 
-SPEC = Spec(unit="group", final_transforms=(), sampling_transforms=("GroupRelativeAdvantage()",),
-            behaviour_logprobs=True, ppo_epochs=True, needs_groups=True)
+SPEC = Spec(unit="group", behaviour_logprobs=True, needs_groups=True)
 
 
-@dataclass
-class GRPOArgs:
-    mini_batch_size: int = 8  # micro-batch: rows per forward/backward
-    grad_clip: float = 0.2
-    normalization: str = "constant"
-    max_generation_len: int = 64
-    clip_ratio: float = 0.2
-    kl_coef: float = 0.0
-    ppo_epochs: int = 1
-    ppo_mini_batch_size: Optional[int] = None  # rows per optimizer step; None: the whole batch
+class PPOConfig(LearnConfig):
+    """What GRPO and GSPO share: PPO-style epochs over one batch, a KL penalty to the base."""
+    normalization: Literal["constant", "token-mean"] = "constant"
+    """Per-sequence divisor of summed token terms: max_generation_len ("constant", Dr. GRPO) or
+    the completion's length ("token-mean")."""
+    max_generation_len: Optional[int] = Field(None, gt=0)
+    """The "constant" divisor; None: [model].max_new_tokens (filled in when the job is loaded)."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of the k3 KL to the frozen base model (0: no reference forward pass)."""
+    ppo_epochs: int = Field(1, gt=0)
+    """Passes over one sampled batch (verl's ppo_epochs)."""
+    ppo_mini_batch_size: Optional[int] = Field(None, gt=0)
+    """Rows per optimizer step inside an epoch (verl's ppo_mini_batch_size); None: the whole batch.
+    Between mini_batch_size and batch_size."""
+    final_transforms: list[str] = []
+    sampling_transforms: list[str] = ["GroupRelativeAdvantage()"]
+
+    @field_validator("ppo_mini_batch_size")
+    @classmethod
+    def _ppo_mini(cls, m: Optional[int], info: ValidationInfo) -> Optional[int]:
+        lo, hi = info.data.get("mini_batch_size"), info.data.get("batch_size")
+        if m is not None and lo is not None and hi is not None and not lo <= m <= hi:
+            raise ValueError(f"it must lie between learn.mini_batch_size ({lo}) and learn.batch_size ({hi})")
+        return m
 
 
-Args = GRPOArgs
+class Config(PPOConfig):
+    """[learn] with algorithm = "grpo"."""
+    algorithm: Literal["grpo"] = "grpo"
+    clip_ratio: float = Field(0.2, gt=0.0)
+    """PPO's token-ratio clip: ratio kept within [1 - clip_ratio, 1 + clip_ratio]."""
 
 
-def token_objective(logp, old, mask, adv, args: GRPOArgs):
+def token_objective(logp, old, mask, adv, args: Config):
     """GRPO's clipped surrogate: per-sample sum_t mask * obj / norm_i, and (clipped, counted) tokens."""
     import torch
     ratio = torch.exp(logp - old)
@@ -86,7 +105,7 @@ def token_objective(logp, old, mask, adv, args: GRPOArgs):
     return per_sample, acting.sum().item(), mask.sum().item()
 
 
-def update(models: Models, batch: Batch, args: GRPOArgs, device, objective: Optional[Callable] = None) -> dict:
+def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Optional[Callable] = None) -> dict:
     import torch
     t0 = time.perf_counter()
     objective = objective or token_objective

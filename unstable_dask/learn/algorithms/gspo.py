@@ -19,25 +19,25 @@ whose gradient the clip removed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal
 
-from unstable_dask.learn.algorithms import grpo
-from unstable_dask.learn.algorithms import Batch, Models, Spec
+from pydantic import Field
 
-SPEC = Spec(unit="group", final_transforms=(), sampling_transforms=("GroupRelativeAdvantage()",),
-            behaviour_logprobs=True, ppo_epochs=True, needs_groups=True)
+from unstable_dask.learn.algorithms import Batch, Models, Spec, grpo
 
-
-@dataclass
-class GSPOArgs(grpo.GRPOArgs):
-    gspo_clip_low: float = 3e-4
-    gspo_clip_high: float = 4e-4
+SPEC = Spec(unit="group", behaviour_logprobs=True, needs_groups=True)
 
 
-Args = GSPOArgs
+class Config(grpo.PPOConfig):
+    """[learn] with algorithm = "gspo": GRPO's settings but its token clip, plus the sequence clip."""
+    algorithm: Literal["gspo"] = "gspo"
+    gspo_clip_low: float = Field(3e-4, gt=0.0, lt=1.0)
+    """The sequence ratio is kept above 1 - gspo_clip_low (the paper's 3e-4)."""
+    gspo_clip_high: float = Field(4e-4, gt=0.0)
+    """The sequence ratio is kept below 1 + gspo_clip_high (the paper's 4e-4)."""
 
 
-def sequence_objective(logp, old, mask, adv, args: GSPOArgs):
+def sequence_objective(logp, old, mask, adv, args: Config):
     """GSPO's clipped surrogate per sample, and (clipped, counted) sequences."""
     import torch
     s = torch.exp(((logp - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1))
@@ -46,5 +46,5 @@ def sequence_objective(logp, old, mask, adv, args: GSPOArgs):
     return obj, (clipped * adv < s * adv).sum().item(), float(len(s))
 
 
-def update(models: Models, batch: Batch, args: GSPOArgs, device) -> dict:
+def update(models: Models, batch: Batch, args: Config, device) -> dict:
     return grpo.update(models, batch, args, device, objective=sequence_objective)

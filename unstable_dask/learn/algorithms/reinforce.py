@@ -15,27 +15,30 @@ A is the batch query's advantage: the job's reward transforms, turn by turn (sam
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from typing import Literal, Optional
 
+from pydantic import Field
+
+from unstable_dask.config import LearnConfig
 from unstable_dask.learn.algorithms import Batch, Models, Spec
 from unstable_dask.learn.tokens import clip_and_step, completion_logprobs, logits_of, micro_batches, sequence_logprobs
 
-SPEC = Spec(unit="turn", final_transforms=("RoleAdvantageByEnvFormatter()",),
-            sampling_transforms=("NormalizeRewardsByEnv(z_score=True)",))
+SPEC = Spec(unit="turn")
 
 
-@dataclass
-class ReinforceArgs:
-    mini_batch_size: int = 8
-    grad_clip: float = 0.2
-    normalization: str = "constant"  # "constant" (divide by max_generation_len) | "token-mean"
-    max_generation_len: int = 64
+class Config(LearnConfig):
+    """[learn] with algorithm = "reinforce"."""
+    algorithm: Literal["reinforce"] = "reinforce"
+    normalization: Literal["constant", "token-mean"] = "constant"
+    """Per-sequence divisor of summed token log-probs: max_generation_len ("constant", Dr. GRPO)
+    or the completion's length ("token-mean")."""
+    max_generation_len: Optional[int] = Field(None, gt=0)
+    """The "constant" divisor; None: [model].max_new_tokens (filled in when the job is loaded)."""
+    final_transforms: list[str] = ["RoleAdvantageByEnvFormatter()"]
+    sampling_transforms: list[str] = ["NormalizeRewardsByEnv(z_score=True)"]
 
 
-Args = ReinforceArgs
-
-
-def update(models: Models, batch: Batch, args: ReinforceArgs, device) -> dict:
+def update(models: Models, batch: Batch, args: Config, device) -> dict:
     """One REINFORCE update over the batch; returns the step's metrics."""
     t0 = time.perf_counter()
     model, optimizer, tokens, n = models.policy, models.optimizer, batch.tokens, batch.size

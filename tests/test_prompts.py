@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from unstable_dask.config import TEMPLATES
+from unstable_dask.play.prompts import TEMPLATE_NAMES as TEMPLATES
 from unstable_dask.play.prompts import extract_action, render_prompt
 
 
