@@ -2,7 +2,7 @@
 DuckDB at every size, roughly flat in the number of rounds).
 
 For each size (`--rounds`, default 100 400 1000) it writes a run of R rounds x `--tasks` task files
-(`--games` games a task, 6 turns a game) through `lake.write_table` + `lake.commit_round`, as the
+(`--games` games a task, 6 turns a game) through `Lake.write` + `Lake.commit_round`, as the
 round job does, then times (median of `--reps`):
   connect      lake.connect() / a plain connection with views over read_parquet(glob, hive)
   count        SELECT count(*) FROM turns
@@ -25,7 +25,7 @@ import duckdb
 import numpy as np
 from common import row, save
 
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 from unstable_dask.lake.maintain import compact, vacuum
 from unstable_dask.learn.rewards import batch_query
 
@@ -58,9 +58,9 @@ def write_round(lake: Path, r: int, tasks: int, games: int, rng: np.random.Gener
                                    prompt_tokens=120, completion_tokens=n, completion_token_ids=list(range(n)),
                                    truncated=False, logprobs=[-1.0] * n))
         key = f"task-{t:04d}.{attempt}"
-        lk.write_table(lake, "games", RUN, r, key, g_rows)
-        lk.write_table(lake, "turns", RUN, r, key, t_rows)
-    lk.commit_round(lake, RUN, r, dict(attempt=attempt, checkpoint_uid="ckpt-0", games=tasks * games,
+        Lake(lake).write("games", RUN, r, key, g_rows)
+        Lake(lake).write("turns", RUN, r, key, t_rows)
+    Lake(lake).commit_round(RUN, r, dict(attempt=attempt, checkpoint_uid="ckpt-0", games=tasks * games,
                                        temperature=1.0, top_p=1.0, max_new_tokens=32))
 
 
@@ -70,7 +70,7 @@ def plain_connect(lake: Path) -> duckdb.DuckDBPyConnection:
     for t in ("games", "turns", "rounds"):
         con.execute(f"CREATE VIEW {t} AS SELECT * FROM read_parquet('{lake}/{t}/*/*/*.parquet', "
                     "hive_partitioning = true, union_by_name = true)")
-    con.execute(lk.SEATS_VIEW)
+    con.execute(read.SEATS_VIEW)
     return con
 
 
@@ -86,7 +86,7 @@ def timed(fn, reps: int) -> float:
 def measure(lake: Path, rounds: int, reps: int) -> dict:
     sql = dict(QUERIES, batch=batch_query(RUN, [rounds - 1], 32, 7, [], [], [], unit="turn"))
     out = {}
-    for name, connect in (("delta", lambda: lk.connect(lake)), ("plain", lambda: plain_connect(lake))):
+    for name, connect in (("delta", lambda: Lake(lake).connect()), ("plain", lambda: plain_connect(lake))):
         res = {"connect": timed(lambda: connect().close(), reps)}
         con = connect()
         answers = {}
@@ -124,7 +124,7 @@ def main() -> None:
                     compact(lake, RUN)
                     vacuum(lake, retention_hours=0)
                 m = measure(lake, size, args.reps)
-                files = len(lk.visible_files(lake, "turns")) + len(lk.visible_files(lake, "games"))
+                files = len(Lake(lake).table("turns").files()) + len(Lake(lake).table("games").files())
                 results.append(dict(rounds=size, files=files, state=state, write_s_per_round=commit_s[-1], **m))
                 for reader in ("delta", "plain"):
                     x = m[reader]

@@ -35,9 +35,9 @@ OPPONENT = "random"
 
 def curve(job) -> list[dict]:
     """Per round: the eval games against the random agent and the train split's learner turns."""
-    from unstable_dask.lake import core as lk
+    from unstable_dask.lake import Lake
     from unstable_dask.report.report import round_curves
-    con = lk.connect(job.run.lake)
+    con = Lake(job.run.lake).connect()
     try:
         rows = round_curves(con, job.run.name)
         times = {r["round"]: r for r in con.sql(

@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--backend", default="hf", choices=["hf", "vllm"])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    from unstable_dask.lake import core as lk
+    from unstable_dask.lake import Lake
     from unstable_dask.cluster.client import open_client
     from unstable_dask.inference.engine import encode_prompts
     from unstable_dask.jobfile import load_job
@@ -51,7 +51,7 @@ def main() -> None:
                 "round.train_envs": [{"env_id": "TicTacToe-v0-train", "num_players": 2, "num_actors": 2}]})
             with open_client(job.cluster) as client:
                 play_round(job, client=client)
-            rows = lk.query(job.run.lake, "SELECT prompt, prompt_tokens, completion_token_ids, logprobs FROM turns "
+            rows = Lake(job.run.lake).sql("SELECT prompt, prompt_tokens, completion_token_ids, logprobs FROM turns "
                             "WHERE run = ? AND prompt_tokens > 0 ORDER BY game_id, turn", [job.run.name]).to_pylist()
             path = resolve_model(job.model.base)
             tok = AutoTokenizer.from_pretrained(path)

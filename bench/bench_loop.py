@@ -114,10 +114,10 @@ def wait_for(path: Path, proc: subprocess.Popen, what: str) -> None:
 
 
 def round_figures(lake: Path, round_: int) -> dict:
-    from unstable_dask.lake import core as lk
-    g = lk.query(lake, """SELECT min(started_at) AS t0, max(finished_at) AS t1, count(*) AS games
+    from unstable_dask.lake import Lake
+    g = Lake(lake).sql("""SELECT min(started_at) AS t0, max(finished_at) AS t1, count(*) AS games
                           FROM games WHERE run = ? AND round = ?""", [RUN, round_]).to_pylist()[0]
-    r = lk.query(lake, "SELECT checkpoint_uid, completion_tokens, started_at, committed_at FROM rounds "
+    r = Lake(lake).sql("SELECT checkpoint_uid, completion_tokens, started_at, committed_at FROM rounds "
                  "WHERE run = ? AND round = ?", [RUN, round_]).to_pylist()[0]
     span = (g["t1"] - g["t0"]).total_seconds()
     return {"checkpoint": r["checkpoint_uid"], "games": g["games"], "completion_tokens": r["completion_tokens"],

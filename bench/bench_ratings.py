@@ -27,9 +27,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 import synthetic_lake as sl  # noqa: E402
 from common import save  # noqa: E402
 
-from unstable_dask import lake, ratings  # noqa: E402
+from unstable_dask.lake import Lake  # noqa: E402
+from unstable_dask.rate import ratings  # noqa: E402
 from unstable_dask.jobfile import default_job  # noqa: E402
-from unstable_dask.rate.duels import make_env  # noqa: E402
+from unstable_dask.skill import make_env  # noqa: E402
 
 ENVS = ["SimpleTak-v0-train", "KuhnPoker-v0-train", "TicTacToe-v0-train", "ConnectFour-v0-train"]
 
@@ -62,7 +63,7 @@ def main() -> None:
         t0 = time.perf_counter()
         for r in range(args.rounds):
             table = sl.duel_table(per, strengths, rng, ENVS, r, start=r * per)
-            lake.write_table(tmp, "games", "bench", r, "task-0", table)
+            Lake(tmp).write("games", "bench", r, "task-0", table)
             sl.commit(tmp, "bench", r, [])
         t_write = time.perf_counter() - t0
 
@@ -73,7 +74,7 @@ def main() -> None:
         t_full = res.seconds
 
         # The replay alone (prepared duels -> ratings), as the rate job runs it.
-        con = lake.connect(tmp)
+        con = Lake(tmp).connect()
         games = ratings._read_games(con, "bench", True, -1)
         con.close()
         envs = [ratings.OVERALL] + sorted(set(games.column("env_id").to_pylist()))

@@ -39,12 +39,14 @@ def main() -> None:
     args = ap.parse_args()
 
     import duckdb
-    from unstable_dask.cluster.client import open_client
+    from unstable_dask.lake import Lake
+from unstable_dask.cluster.client import open_client
     from unstable_dask.jobfile import load_job
     from unstable_dask.inference.engine import get_engine
     from unstable_dask.play.task import play_task
     from unstable_dask.play.round import play_round
-    from unstable_dask.play.schedule import list_checkpoints, schedule_round
+    from unstable_dask.play.opponents import list_checkpoints
+    from unstable_dask.play.schedule import schedule_round
 
     tmp = tempfile.mkdtemp(prefix="bench-round-")
     over = {"run.lake": f"{tmp}/a", "round.train_games": args.games, "round.eval_games": 0,
@@ -56,21 +58,21 @@ def main() -> None:
     warm = {"round.train_games": 4, "round.games_per_task": 2}
 
     def tasks_of(job):
-        cks = list_checkpoints(job.run.lake, job.run.name)
-        return schedule_round(job, 0, cks[-1], cks)
+        cks = list_checkpoints(Lake(job.run.lake), job.run.name)
+        return schedule_round(job, Lake(job.run.lake), 0, cks[-1], cks)
 
     job = load_job(None, over)
     engine = get_engine(job.model)
     wjob = load_job(None, over | warm | {"run.lake": f"{tmp}/a-warm"})
     for task in tasks_of(wjob):
-        play_task(task, wjob.model, wjob.round, wjob.run.lake)
+        play_task(task, wjob.model, wjob.round, Lake(wjob.run.lake))
 
     # A: in-process, the same tasks each repeat (each replaces its own files)
     tasks = tasks_of(job)
     a_runs = []
     for _ in range(args.repeats):
         t = time.perf_counter()
-        res = [play_task(task, job.model, job.round, job.run.lake) for task in tasks]
+        res = [play_task(task, job.model, job.round, Lake(job.run.lake)) for task in tasks]
         a_runs.append(sum(r["completion_tokens"] for r in res) / (time.perf_counter() - t))
     a_tps = statistics.median(a_runs)
 

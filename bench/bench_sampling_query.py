@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 from common import row, save
 
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 from unstable_dask.learn.algorithms.reinforce import Config as LearnConfig
 from unstable_dask.learn.rewards import batch_query, parse_transforms, run_batch_query, window_rounds
 
@@ -57,9 +57,9 @@ def write_lake(root: Path, turns: int, rounds: int = 20, turns_per_game: int = 1
                       "completion_token_ids": pa.array([list(range(30))] * n, pa.list_(pa.int32())),
                       "truncated": np.zeros(n, bool), "logprobs": pa.array([[-1.0] * 30] * n, pa.list_(pa.float32())),
                       "latency_s": np.zeros(n), "error": pa.nulls(n, pa.string())})
-        lk.write_table(root, "games", RUN, r, "task0", g)
-        lk.write_table(root, "turns", RUN, r, "task0", t)
-        lk.commit_round(root, RUN, r, dict(checkpoint_uid="ckpt", games=games, temperature=1.0, top_p=1.0,
+        Lake(root).write("games", RUN, r, "task0", g)
+        Lake(root).write("turns", RUN, r, "task0", t)
+        Lake(root).commit_round(RUN, r, dict(checkpoint_uid="ckpt", games=games, temperature=1.0, top_p=1.0,
                                            max_new_tokens=30))
 
 
@@ -74,19 +74,19 @@ def main() -> None:
         t0 = time.perf_counter()
         write_lake(root, args.turns)
         build_s = time.perf_counter() - t0
-        sql = batch_query(RUN, window_rounds(root, RUN, "all"), cfg.batch_size, 0,
+        sql = batch_query(RUN, window_rounds(Lake(root).rounds(RUN), "all"), cfg.batch_size, 0,
                           parse_transforms(cfg.final_transforms, "final"), parse_transforms(cfg.step_transforms, "step"),
                           parse_transforms(cfg.sampling_transforms, "sampling"))
         times = []
         for i in range(args.repeats + 1):
-            con = lk.connect(root)  # a learn job opens its own connection: count the view setup too
+            con = Lake(root).connect()  # a learn job opens its own connection: count the view setup too
             t0 = time.perf_counter()
             rows = run_batch_query(con, sql).num_rows
             dt = time.perf_counter() - t0
             con.close()
             if i:  # the first run warms the OS page cache
                 times.append(dt)
-        total_turns = lk.query(root, "SELECT count(*) FROM turns").column(0)[0].as_py()
+        total_turns = Lake(root).sql("SELECT count(*) FROM turns").column(0)[0].as_py()
     res = dict(name="bench_sampling_query", turns=total_turns, batch_rows=rows, median_s=statistics.median(times),
                min_s=min(times), target_s=1.0, lake_build_s=build_s, transforms=dict(final=cfg.final_transforms,
                step=cfg.step_transforms, sampling=cfg.sampling_transforms))

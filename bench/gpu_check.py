@@ -208,7 +208,7 @@ def main() -> None:
 def _round_stage(job, warm, result: dict) -> dict:
     """1. a round (after a warm-up round on its own lake: engine load and first kernels out of the
     figure) vs the backend's own generate on the round's prompts, in the same worker."""
-    from unstable_dask.lake import core as lk
+    from unstable_dask.lake import Lake
     from unstable_dask.cluster.client import open_client
     from unstable_dask.play.round import play_round
     n_games = job.round.train_games + job.round.eval_games
@@ -217,7 +217,7 @@ def _round_stage(job, warm, result: dict) -> dict:
         play_round(warm, client=client)
         result["engine_load_and_warmup_s"] = time.perf_counter() - t
         s = play_round(job, client=client)
-        prompts = [r["prompt"] for r in lk.query(job.run.lake, "SELECT prompt FROM turns WHERE prompt IS NOT NULL "
+        prompts = [r["prompt"] for r in Lake(job.run.lake).sql("SELECT prompt FROM turns WHERE prompt IS NOT NULL "
                                                  "ORDER BY game_id, turn").to_pylist()]
         raw = client.submit(_raw_generate, job.model, prompts, n_games, resources={"GPU": 1}, pure=False).result()
     print(f"round: {s.tokens_per_s:.0f} tok/s vs raw generate {raw['tok_s']:.0f} tok/s", flush=True)
@@ -228,26 +228,26 @@ def _round_stage(job, warm, result: dict) -> dict:
 def _loop_stage(ljob) -> dict:
     """2.+3. the single-GPU loop: learn on the engine's worker with the engine asleep (its own
     cluster, so the loop opens and closes it as a user's `loop` would), and its learner_steps."""
-    from unstable_dask.lake import core as lk
+    from unstable_dask.lake import Lake
     from unstable_dask.loop import loop
     t = time.perf_counter()
     loop(ljob, rounds=2, rate=False)
     out = {"loop_2_rounds_wall_s": time.perf_counter() - t}
-    out["learner_steps"] = lk.query(ljob.run.lake, "SELECT * EXCLUDE (rounds, created_at) FROM learner_steps "
+    out["learner_steps"] = Lake(ljob.run.lake).sql("SELECT * EXCLUDE (rounds, created_at) FROM learner_steps "
                                     "ORDER BY iteration, update").to_pylist()
-    out["loop_rounds"] = lk.query(ljob.run.lake, "SELECT round, completion_tokens, "
+    out["loop_rounds"] = Lake(ljob.run.lake).sql("SELECT round, completion_tokens, "
                                   "epoch(committed_at - started_at) AS wall_s FROM rounds ORDER BY round").to_pylist()
     return out
 
 
 def _learn_once(job_path: str, over: dict) -> dict:
     """One learner update in this (fresh) process; its learner_steps row."""
-    from unstable_dask.lake import core as lk
+    from unstable_dask.lake import Lake
     from unstable_dask.jobfile import load_job
     from unstable_dask.learn.learner import learn
     job = load_job(job_path, over)
     learn(job)
-    return lk.query(job.run.lake, "SELECT * EXCLUDE (rounds, created_at) FROM learner_steps").to_pylist()[0]
+    return Lake(job.run.lake).sql("SELECT * EXCLUDE (rounds, created_at) FROM learner_steps").to_pylist()[0]
 
 
 def _quant_stage(job_path: str, over: dict) -> dict:

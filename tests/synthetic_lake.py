@@ -1,6 +1,6 @@
 """A synthetic lake for the ratings/report tests: games with known strengths, written like a run.
 
-Everything goes through `lake.write_table` and `lake.commit_round`, as the round and learn jobs
+Everything goes through `Lake.write` and `Lake.commit_round`, as the round and learn jobs
 write it. `HOSTILE` strings land in completions, observations, prompts and model names so the
 report tests can check that model text is shown as text and never runs.
 """
@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 import pyarrow as pa
 
-from unstable_dask.lake import core as lake
+from unstable_dask.lake import Lake, catalog
 HOSTILE = [
     "<script>window.__pwned = 1</script>",
     '<img src=x onerror="window.__pwned = 2">',
@@ -40,7 +40,7 @@ def game(round_: int, idx: int, env_id: str, seats: list[dict], split: str = "tr
 
 
 def commit(lake_dir: Path, run: str, round_: int, games: list[dict], checkpoint: str = "ckpt-0") -> None:
-    lake.commit_round(lake_dir, run, round_, {
+    Lake(lake_dir).commit_round(run, round_, {
         "checkpoint_uid": checkpoint, "games": len(games), "turns": sum(g["num_turns"] for g in games), "tasks": 1,
         "completion_tokens": 0, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 64,
         "job_fingerprint": "synthetic", "job": "{}", "started_at": T0,
@@ -49,9 +49,9 @@ def commit(lake_dir: Path, run: str, round_: int, games: list[dict], checkpoint:
 
 def write_round(lake_dir: Path, run: str, round_: int, games: list[dict], turns: Optional[list[dict]] = None,
                 checkpoint: str = "ckpt-0", do_commit: bool = True) -> None:
-    lake.write_table(lake_dir, "games", run, round_, "task-0", games)
+    Lake(lake_dir).write("games", run, round_, "task-0", games)
     if turns:
-        lake.write_table(lake_dir, "turns", run, round_, "task-0", turns)
+        Lake(lake_dir).write("turns", run, round_, "task-0", turns)
     if do_commit:
         commit(lake_dir, run, round_, games, checkpoint)
 
@@ -59,11 +59,11 @@ def write_round(lake_dir: Path, run: str, round_: int, games: list[dict], turns:
 def write_checkpoint(lake_dir: Path, run: str, iteration: int, uid: str, parent: Optional[str],
                      steps: Optional[list[dict]] = None) -> None:
     if steps:  # before the checkpoints row, which commits them
-        lake.write_table(lake_dir, "learner_steps", run, iteration, "steps", steps)
-    lake.write_table(lake_dir, "checkpoints", run, iteration, uid, [{
+        Lake(lake_dir).write("learner_steps", run, iteration, "steps", steps)
+    Lake(lake_dir).commit("checkpoints", run, iteration, uid, {
         "uid": uid, "parent_uid": parent, "adapter_path": f"adapters/{run}/{uid}", "base_model": "builtin:tiny",
         "rounds_trained": [iteration - 1] if iteration else [], "algorithm": "reinforce",
-        "created_at": T0 + timedelta(minutes=iteration)}])
+        "created_at": T0 + timedelta(minutes=iteration)})
 
 
 def outcome(rng: random.Random, a: float, b: float, draw: float = 0.1) -> tuple[float, float]:
@@ -154,7 +154,7 @@ def duel_table(n: int, strengths: np.ndarray, rng: np.random.Generator, env_ids:
         pa.array(np.tile([0, 1], n), pa.int32()), pa.array(np.stack([names[a], names[b]], 1).ravel(), pa.string()),
         pa.array(np.zeros(2 * n, bool)), pa.array(np.tile(["Player 0", "Player 1"], n)),
         pa.array(np.stack([ra, -ra], 1).ravel()), pa.array(np.zeros(2 * n, bool)), pa.array(np.full(2 * n, "done"))],
-        fields=list(lake.SEAT))
+        fields=list(catalog.SEAT))
     ids = np.arange(start, start + n)
     return pa.table({
         "game_id": pa.array([f"r{round_:04d}-g{k:08d}" for k in ids.tolist()]), "split": pa.array(np.full(n, "train")),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from test_report import opened
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 from unstable_dask.rate import ratings
 from unstable_dask.report import report
 from unstable_dask.jobfile import load_job
@@ -57,7 +57,7 @@ def test_arena_views_show_the_lakes_counts(tmp_path: Path, local_client) -> None
     ratings.rate(job)
     page = report.report(job)
 
-    games = lk.query(job.run.lake, "SELECT env_id, seats FROM games").to_pylist()
+    games = Lake(job.run.lake).sql("SELECT env_id, seats FROM games").to_pylist()
     mirror = [g for g in games if len({s["model_uid"] for s in g["seats"]}) == 1]
     assert mirror, "the lake needs mirror games for this test to show they are left out"
     counts = _counts(games)
@@ -71,7 +71,7 @@ def test_arena_views_show_the_lakes_counts(tmp_path: Path, local_client) -> None
         if wf is not None:
             avg[(env, a)].append(wf)
     rated = {(r["env_id"], r["model_uid"]): r["rank"] for r in
-             lk.query(job.run.lake, "SELECT env_id, model_uid, rank FROM ratings").to_pylist()}
+             Lake(job.run.lake).sql("SELECT env_id, model_uid, rank FROM ratings").to_pylist()}
 
     with opened(page) as (pg, errors):
         pg.evaluate("document.querySelectorAll('details').forEach(d => d.open = true)")

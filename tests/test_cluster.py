@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 from unstable_dask.cluster.client import job_script, local_gpu_workers, open_client, task_resources, visible_gpus
 from unstable_dask.config import ClusterConfig
 from unstable_dask.errors import JobError
@@ -206,11 +206,11 @@ def _play(key: str, lake: str, log: str, seconds: float, die_first: bool = False
     attempts = Path(log).read_text().split().count(key)
     rows = [dict(game_id=f"{key}-g{i}", split="train", env_id="SimpleTak-v0-train", seed=i, num_players=2,
                  num_turns=1, worker=name, task=key, seats=[]) for i in range(3)]
-    lk.write_table(lake, "games", RUN, 0, key, rows)
+    Lake(lake).write("games", RUN, 0, key, rows)
     if die_first and attempts == 1:
         os._exit(1)  # preempted: the process vanishes after its first file is written
     time.sleep(seconds)
-    lk.write_table(lake, "turns", RUN, 0, key, [dict(game_id=r["game_id"], turn=0, pid=0, worker=name) for r in rows])
+    Lake(lake).write("turns", RUN, 0, key, [dict(game_id=r["game_id"], turn=0, pid=0, worker=name) for r in rows])
     return len(rows)
 
 
@@ -224,8 +224,8 @@ def _check_lake(lake: Path, keys: list[str]) -> dict:
         g = pq.read_table(lake / f"games/run={RUN}/round=0/{key}.parquet").to_pylist()
         assert [r["game_id"] for r in g] == [f"{key}-g{i}" for i in range(3)]
         by_key[key] = g[0]["worker"]
-    lk.commit_round(lake, RUN, 0, dict(checkpoint_uid="base", games=3 * len(keys), turns=3 * len(keys), tasks=len(keys)))
-    con = lk.connect(lake)
+    Lake(lake).commit_round(RUN, 0, dict(checkpoint_uid="base", games=3 * len(keys), turns=3 * len(keys), tasks=len(keys)))
+    con = Lake(lake).connect()
     assert con.sql("SELECT count(*), count(DISTINCT game_id) FROM games").fetchall()[0] == (3 * len(keys), 3 * len(keys))
     return by_key
 

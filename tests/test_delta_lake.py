@@ -9,7 +9,9 @@ import pytest
 
 from unstable_dask.lake import catalog
 from unstable_dask.lake import delta as dl
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
+from unstable_dask.lake import commit
+from unstable_dask.lake.commit import now
 from unstable_dask.errors import JobError
 from unstable_dask.lake.maintain import checksums, compact, vacuum
 from unstable_dask.lake.migrate import migrate
@@ -18,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _game(gid: str) -> dict:
-    t = lk.now()
+    t = now()
     seat = dict(pid=0, model_uid="base", is_learner=True, role="P0", reward=1.0, invalid_move=False, reason="")
     return dict(game_id=gid, split="train", env_id="E", seed=1, num_players=1, num_turns=1, started_at=t,
                 finished_at=t, worker="w", task="t", seats=[seat])
@@ -26,30 +28,29 @@ def _game(gid: str) -> dict:
 
 def _round(lake, rnd: int, attempt: str, n: int = 2) -> None:
     for i in range(n):
-        lk.write_table(lake, "games", "r", rnd, f"task-{i:04d}.{attempt}", [_game(f"{attempt}-{rnd}-{i}")])
-        lk.write_table(lake, "turns", "r", rnd, f"task-{i:04d}.{attempt}",
-                       [{"game_id": f"{attempt}-{rnd}-{i}", "turn": 0, "pid": 0}])
+        Lake(lake).write("games", "r", rnd, f"task-{i:04d}.{attempt}", [_game(f"{attempt}-{rnd}-{i}")])
+        Lake(lake).write("turns", "r", rnd, f"task-{i:04d}.{attempt}", [{"game_id": f"{attempt}-{rnd}-{i}", "turn": 0, "pid": 0}])
 
 
 def test_a_deleted_data_file_of_a_committed_round_is_named(tmp_path):
     _round(tmp_path, 0, "a")
-    lk.commit_round(tmp_path, "r", 0, {"attempt": "a", "checkpoint_uid": "base"})
+    Lake(tmp_path).commit_round("r", 0, {"attempt": "a", "checkpoint_uid": "base"})
     victim = tmp_path / "games/run=r/round=0/task-0001.a.parquet"
     victim.unlink()
     with pytest.raises(JobError, match="task-0001.a.parquet"):
-        lk.query(tmp_path, "SELECT count(*) FROM games")
+        Lake(tmp_path).sql("SELECT count(*) FROM games")
     other = tmp_path / "torn"
     _round(other, 0, "a")
-    lk.commit_round(other, "r", 0, {"attempt": "a", "checkpoint_uid": "base"})
+    Lake(other).commit_round("r", 0, {"attempt": "a", "checkpoint_uid": "base"})
     (other / "turns/run=r/round=0/task-0000.a.parquet").write_bytes(b"PAR1 torn")
     with pytest.raises(JobError, match="task-0000.a.parquet"):
-        lk.query(other, "SELECT count(*) FROM turns")
+        Lake(other).sql("SELECT count(*) FROM turns")
 
 
 def _commit_in_process(lake: str, attempt: str, barrier, out) -> None:
     barrier.wait()
     try:
-        lk.commit_round(lake, "r", 0, {"attempt": attempt, "checkpoint_uid": "base"})
+        Lake(lake).commit_round("r", 0, {"attempt": attempt, "checkpoint_uid": "base"})
         out.put(attempt)
     except FileExistsError:
         out.put("lost")
@@ -68,34 +69,33 @@ def test_two_drivers_racing_one_round_give_one_commit(tmp_path):
     results = sorted(out.get(timeout=5) for _ in procs)
     assert results[1] == "lost" and results[0] in ("a", "b")
     winner = results[0]
-    games = lk.query(tmp_path, "SELECT game_id FROM games ORDER BY 1").column(0).to_pylist()
+    games = Lake(tmp_path).sql("SELECT game_id FROM games ORDER BY 1").column(0).to_pylist()
     assert games == [f"{winner}-0-0", f"{winner}-0-1"]
-    assert lk.query(tmp_path, "SELECT attempt FROM rounds").column(0).to_pylist() == [winner]
-    assert lk.last_committed_round(tmp_path, "r") == 0
+    assert Lake(tmp_path).sql("SELECT attempt FROM rounds").column(0).to_pylist() == [winner]
+    assert Lake(tmp_path).last_round("r") == 0
 
 
 def test_a_commit_killed_after_its_claim_is_finished(tmp_path):
     """The driver dies between claiming round 0 and publishing it: readers see nothing of it, and
     the next driver finishes it from the log before playing round 1."""
     _round(tmp_path, 0, "a")
-    marker = lk._write_file(tmp_path, "rounds", "r", 0, "commit.a",
-                            lk._as_table("rounds", [{"attempt": "a", "checkpoint_uid": "base", "files": [
+    marker = commit.write_file(str(tmp_path), "rounds", "r", 0, "commit.a", commit.as_table("rounds", [{"attempt": "a", "checkpoint_uid": "base", "files": [
                                 f"{t}/run=r/round=0/task-000{i}.a.parquet" for t in ("games", "turns") for i in (0, 1)]}]))
     app = dl.app_id("r", "round", 0)
     assert dl.commit(tmp_path, "rounds", [], app=app, metadata={"unstable_dask.claim": app,
                                                                  "unstable_dask.marker": str(Path(marker).relative_to(tmp_path / "rounds"))})
-    assert lk.query(tmp_path, "SELECT count(*) AS n FROM games").to_pylist() == [{"n": 0}]
-    assert lk.last_committed_round(tmp_path, "r") == 0  # claimed: nobody plays round 0 again
-    assert lk.finish_commits(tmp_path, "rounds", "r") == [0]
-    assert lk.query(tmp_path, "SELECT count(*) AS n FROM games").to_pylist() == [{"n": 2}]
-    assert lk.finish_commits(tmp_path, "rounds", "r") == []
+    assert Lake(tmp_path).sql("SELECT count(*) AS n FROM games").to_pylist() == [{"n": 0}]
+    assert Lake(tmp_path).last_round("r") == 0  # claimed: nobody plays round 0 again
+    assert Lake(tmp_path).finish_commits("rounds", "r") == [0]
+    assert Lake(tmp_path).sql("SELECT count(*) AS n FROM games").to_pylist() == [{"n": 2}]
+    assert Lake(tmp_path).finish_commits("rounds", "r") == []
 
 
 def test_a_commit_landing_while_a_reader_loads_its_snapshot_shows_all_or_nothing(tmp_path, monkeypatch):
     """Another driver commits round 1 while a reader is between loading one table's log and the
     next: the reader shows round 1 whole (games, turns and its rounds row) or not at all."""
     _round(tmp_path, 0, "a")
-    lk.commit_round(tmp_path, "r", 0, {"attempt": "a", "checkpoint_uid": "base"})
+    Lake(tmp_path).commit_round("r", 0, {"attempt": "a", "checkpoint_uid": "base"})
     _round(tmp_path, 1, "b")
     real, landed = dl.snapshot, []
 
@@ -103,11 +103,11 @@ def test_a_commit_landing_while_a_reader_loads_its_snapshot_shows_all_or_nothing
         out = real(lake, table, version)
         if not landed:  # right after the reader's first table: the commit lands
             landed.append(table)
-            lk.commit_round(tmp_path, "r", 1, {"attempt": "b", "checkpoint_uid": "base"})
+            Lake(tmp_path).commit_round("r", 1, {"attempt": "b", "checkpoint_uid": "base"})
         return out
 
     monkeypatch.setattr(dl, "snapshot", snapshot)
-    con = lk.connect(tmp_path)
+    con = Lake(tmp_path).connect()
     assert landed
     rounds = con.sql("SELECT round FROM rounds ORDER BY 1").fetchall()
     for table in ("games", "turns"):
@@ -116,13 +116,13 @@ def test_a_commit_landing_while_a_reader_loads_its_snapshot_shows_all_or_nothing
 
 def test_time_travel_reads_the_versions_a_batch_recorded(tmp_path):
     _round(tmp_path, 0, "a")
-    lk.commit_round(tmp_path, "r", 0, {"attempt": "a", "checkpoint_uid": "base"})
-    then = lk.table_versions(tmp_path)
+    Lake(tmp_path).commit_round("r", 0, {"attempt": "a", "checkpoint_uid": "base"})
+    then = Lake(tmp_path).versions
     _round(tmp_path, 1, "b")
-    lk.commit_round(tmp_path, "r", 1, {"attempt": "b", "checkpoint_uid": "base"})
+    Lake(tmp_path).commit_round("r", 1, {"attempt": "b", "checkpoint_uid": "base"})
     count = "SELECT count(*) FROM turns"
-    assert lk.connect(tmp_path).sql(count).fetchall() == [(4,)]
-    assert lk.connect(tmp_path, versions=then).sql(count).fetchall() == [(2,)]
+    assert Lake(tmp_path).connect().sql(count).fetchall() == [(4,)]
+    assert Lake(tmp_path).at(then).connect().sql(count).fetchall() == [(2,)]
 
 
 def test_migrate_keeps_every_row(tmp_path):
@@ -132,11 +132,11 @@ def test_migrate_keeps_every_row(tmp_path):
         _round(tmp_path, 0, attempt)
     d = tmp_path / "rounds/run=r/round=0"
     d.mkdir(parents=True)
-    pq.write_table(lk._as_table("rounds", [{"attempt": "live", "checkpoint_uid": "base"}]), d / "commit.parquet")
+    pq.write_table(commit.as_table("rounds", [{"attempt": "live", "checkpoint_uid": "base"}]), d / "commit.parquet")
     _round(tmp_path, 1, "x")  # played, never committed
     sums = migrate(tmp_path)
     assert sums["games"][0] == 2 and sums["turns"][0] == 2 and sums["rounds"][0] == 1
-    assert lk.query(tmp_path, "SELECT DISTINCT game_id[1:4] AS a FROM games").to_pylist() == [{"a": "live"}]
+    assert Lake(tmp_path).sql("SELECT DISTINCT game_id[1:4] AS a FROM games").to_pylist() == [{"a": "live"}]
     assert migrate(tmp_path) == {}  # nothing left to do
 
 
@@ -149,32 +149,32 @@ def test_compact_and_vacuum_change_no_query_result(tmp_path):
 
     for rnd in range(3):
         _round(tmp_path, rnd, f"a{rnd}", n=4)
-        lk.commit_round(tmp_path, "r", rnd, {"attempt": f"a{rnd}", "checkpoint_uid": "base"})
+        Lake(tmp_path).commit_round("r", rnd, {"attempt": f"a{rnd}", "checkpoint_uid": "base"})
     d = tmp_path / "turns/run=r/round=3"
     d.mkdir(parents=True)
     for i in range(2):  # the columns of an older lake only
         pq.write_table(pa.table({"game_id": [f"old-{i}"], "turn": pa.array([0], pa.int32()),
                                  "pid": pa.array([0], pa.int32()), "completion": ["c"]}), d / f"task-{i:04d}.old.parquet")
-    lk.commit_round(tmp_path, "r", 3, {"attempt": "old", "checkpoint_uid": "base"})
-    before, then = checksums(lk.connect(tmp_path)), lk.table_versions(tmp_path)
-    assert before["turns"][0] == 14 and len(lk.visible_files(tmp_path, "turns")) == 14
+    Lake(tmp_path).commit_round("r", 3, {"attempt": "old", "checkpoint_uid": "base"})
+    before, then = checksums(Lake(tmp_path).connect()), Lake(tmp_path).versions
+    assert before["turns"][0] == 14 and len(Lake(tmp_path).table("turns").files()) == 14
 
-    merged = compact(tmp_path, run="r")
+    merged = compact(tmp_path, run_name="r")
     assert merged["games"] == (12, 3) and merged["turns"] == (14, 4)
-    assert len(lk.visible_files(tmp_path, "turns")) == 4
-    assert checksums(lk.connect(tmp_path)) == before
+    assert len(Lake(tmp_path).table("turns").files()) == 4
+    assert checksums(Lake(tmp_path).connect()) == before
     shell = duckdb.connect(str(tmp_path / "lake.duckdb"), read_only=True)  # the duckdb shell's views follow
     assert shell.sql("SELECT count(*) FROM turns").fetchall() == [(14,)]
     shell.close()
 
     assert vacuum(tmp_path, retention_hours=1) == []  # replaced a moment ago: kept for older snapshots
-    assert checksums(lk.connect(tmp_path, versions=then)) == before
+    assert checksums(Lake(tmp_path).at(then).connect()) == before
     removed = vacuum(tmp_path, retention_hours=0)
     assert len(removed) == 26 and not any((tmp_path / p).exists() for p in removed)
     assert "turns/run=r/round=0/task-0000.a0.parquet" in removed
-    assert checksums(lk.connect(tmp_path)) == before
+    assert checksums(Lake(tmp_path).connect()) == before
     with pytest.raises(JobError, match=r"run=r/round=\d/task-000\d\.a\d\.parquet"):  # the old snapshot's files: named
-        lk.connect(tmp_path, versions=then)
+        Lake(tmp_path).at(then).connect()
 
 
 def test_lake_commands_migrate_compact_vacuum(tmp_path, capsys):
@@ -184,16 +184,16 @@ def test_lake_commands_migrate_compact_vacuum(tmp_path, capsys):
         _round(tmp_path, rnd, "x")
         d = tmp_path / f"rounds/run=r/round={rnd}"
         d.mkdir(parents=True)
-        pq.write_table(lk._as_table("rounds", [{"attempt": "x", "checkpoint_uid": "base"}]).drop_columns(["files"]),
+        pq.write_table(commit.as_table("rounds", [{"attempt": "x", "checkpoint_uid": "base"}]).drop_columns(["files"]),
                        d / "commit.parquet")
     lake = str(tmp_path)
     assert main(["migrate", "--lake", lake]) == 0 and "rows and checksums equal" in capsys.readouterr().out
     assert main(["migrate", "--lake", lake]) == 0 and "nothing to do" in capsys.readouterr().out
     assert main(["compact", "--lake", lake, "--run", "r"]) == 0
-    assert len(lk.visible_files(tmp_path, "games")) == 2
+    assert len(Lake(tmp_path).table("games").files()) == 2
     assert main(["vacuum", "--lake", lake, "--retention-hours", "0"]) == 0
     assert "8 file(s)" in capsys.readouterr().out
-    assert lk.query(tmp_path, "SELECT count(*) AS n FROM turns").to_pylist() == [{"n": 4}]
+    assert Lake(tmp_path).sql("SELECT count(*) AS n FROM turns").to_pylist() == [{"n": 4}]
     assert main(["migrate", "--lake", str(tmp_path / "nope")]) == 2
     assert main(["vacuum", "--lake", lake, "--retention-hours", "-1"]) == 2
 
@@ -219,11 +219,10 @@ def test_loop_compacts_every_k_rounds(tmp_path):
                           "round.games_per_task": 1, "model.max_new_tokens": 8, "cluster.n_workers": 1,
                           "cluster.dashboard": False})
     loop(job, 1, rate=False)  # round 0: not yet compacted
-    assert len(lk.visible_files(job.run.lake, "games")) == 4
+    assert len(Lake(job.run.lake).table("games").files()) == 4
     loop(job, 2, rate=False)
-    files = lk.visible_files(job.run.lake, "games")
+    files = Lake(job.run.lake).table("games").files()
     assert len(files) == 2 and not any(Path(f).name.startswith("task-") for f in files)  # delta-rs' merged files
-    assert lk.query(job.run.lake, "SELECT round, count(*) AS n FROM games GROUP BY 1 ORDER BY 1").to_pylist() == [
+    assert Lake(job.run.lake).sql("SELECT round, count(*) AS n FROM games GROUP BY 1 ORDER BY 1").to_pylist() == [
         {"round": 0, "n": 4}, {"round": 1, "n": 4}]
-    assert lk.query(job.run.lake, "SELECT count(*) AS n FROM turns").to_pylist() == lk.query(
-        job.run.lake, "SELECT sum(num_turns) AS n FROM games").to_pylist()
+    assert Lake(job.run.lake).sql("SELECT count(*) AS n FROM turns").to_pylist() == Lake(job.run.lake).sql("SELECT sum(num_turns) AS n FROM games").to_pylist()

@@ -18,8 +18,10 @@ from unstable_dask.config import EndpointConfig, ModelConfig, RoundConfig
 
 from unstable_dask.errors import JobError
 from unstable_dask.jobfile import load_job
+from unstable_dask.lake import Lake
 from unstable_dask.play.task import play_task
-from unstable_dask.play.schedule import RANDOM_UID, GameSpec, Seat, TaskSpec
+from unstable_dask.play.opponents import Endpoint, RandomAgent
+from unstable_dask.play.schedule import GameSpec, TaskSpec
 
 KEY = "sk-test-5f0c1e7d9a2b4c6e8f10"  # what a leak would look like: grepped for in the lake
 ANSWER = "I check. \\boxed{[check]}"
@@ -101,12 +103,12 @@ def stub(request):
 def play(tmp_path: Path, stub: Stub, games: int = 6, **endpoint) -> list[dict]:
     """KuhnPoker games, the endpoint in seat 0 against the random agent; the turns written."""
     cfg = EndpointConfig(**({"base_url": stub.url, "model": MODEL} | endpoint))
-    seats = (Seat(0, MODEL, None, False, endpoint="stub"), Seat(1, RANDOM_UID, None, False))
+    seats = (Endpoint("stub", MODEL).seat(0), RandomAgent().seat(1))
     specs = tuple(GameSpec(f"t-r0000-eval-{i:05d}", "eval", "KuhnPoker-v0-train", 100 + i, f"t-r0000-eval-g{i:05d}",
                            "qwen3-zs", seats) for i in range(games))
     lake = tmp_path / "lake"
     play_task(TaskSpec("task-0000", "t", 0, specs), ModelConfig(max_new_tokens=32), RoundConfig(concurrency=games),
-              str(lake), endpoints={"stub": cfg})
+              Lake(lake), endpoints={"stub": cfg})
     turns = pq.read_table(next((lake / "turns").rglob("*.parquet"))).to_pylist()
     return [t for t in turns if t["model_uid"] == MODEL]
 
@@ -211,7 +213,7 @@ def test_a_round_whose_server_dies_mid_round_still_commits_with_the_failed_turns
     """The stub stands in for the server test_endpoints_vllm.py kills; here it runs without vLLM."""
     from distributed import Client
 
-    from unstable_dask.lake import core as lk
+    from unstable_dask.lake import Lake
     from unstable_dask.play import round as round_mod
     real = round_mod.play_task
 
@@ -235,9 +237,9 @@ def test_a_round_whose_server_dies_mid_round_still_commits_with_the_failed_turns
         "round.eval_envs": [{"env_id": "KuhnPoker-v0-train", "num_actors": 1, "opponents": ["stub"]}]})
     with Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=None) as client:
         s = round_mod.play_round(job, client=client)
-    assert s.games == 2 and lk.last_committed_round(job.run.lake, job.run.name) == 0
+    assert s.games == 2 and Lake(job.run.lake).last_round(job.run.name) == 0
     sql = "SELECT * FROM turns WHERE model_uid = ? ORDER BY game_id, turn"
-    turns = lk.query(job.run.lake, sql, [MODEL]).to_pylist()
+    turns = Lake(job.run.lake).sql(sql, [MODEL]).to_pylist()
     answered = [t for t in turns if t["error"] is None]
     failed = [t for t in turns if t["error"] is not None]
     assert answered and all(t["completion"] == "I pass." for t in answered)

@@ -115,15 +115,15 @@ def _job(tmp_path: Path, url: str, **over):
 
 
 def _endpoint_turns(job) -> list[dict]:
-    from unstable_dask.lake import core as lk
+    from unstable_dask.lake import Lake
     sql = "SELECT * FROM turns WHERE model_uid = ? ORDER BY game_id, turn"
-    return lk.query(job.run.lake, sql, [SERVED]).to_pylist()
+    return Lake(job.run.lake).sql(sql, [SERVED]).to_pylist()
 
 
 def test_a_round_against_a_served_model_commits_and_keeps_the_key_out(tmp_path, tiny, client, monkeypatch, caplog):
     from rich.console import Console
 
-    from unstable_dask.lake import core as lk
+    from unstable_dask.lake import Lake
     from unstable_dask.rate.ratings import rate
     from unstable_dask.report.report import report
     from unstable_dask.play.round import play_round
@@ -136,16 +136,16 @@ def test_a_round_against_a_served_model_commits_and_keeps_the_key_out(tmp_path, 
     rate(job)
     report(job)
 
-    assert s.games == 6 and lk.last_committed_round(job.run.lake, job.run.name) == 0
+    assert s.games == 6 and Lake(job.run.lake).last_round(job.run.name) == 0
     turns = _endpoint_turns(job)
     assert turns and not any(t["is_learner"] for t in turns)
     assert {t["split"] for t in turns} == {"train", "eval"}
     for t in turns:  # served answers, in turns like any model's
         assert t["error"] is None and t["completion"] is not None and 0 < t["completion_tokens"] <= 16
         assert t["prompt"].startswith("You are playing a two-player zero-sum game") and t["prompt_tokens"] > 0
-    seats = lk.query(job.run.lake, "SELECT count(*) AS n FROM seats WHERE model_uid = ?", [SERVED]).to_pylist()
+    seats = Lake(job.run.lake).sql("SELECT count(*) AS n FROM seats WHERE model_uid = ?", [SERVED]).to_pylist()
     assert seats[0]["n"] == 6  # one opponent seat in every game
-    rated = lk.query(job.run.lake, "SELECT model_uid FROM ratings WHERE env_id = '*'").column("model_uid").to_pylist()
+    rated = Lake(job.run.lake).sql("SELECT model_uid FROM ratings WHERE env_id = '*'").column("model_uid").to_pylist()
     assert SERVED in rated
     leaks = [p for root in (job.run.lake, job.run.reports) for p in Path(root).rglob("*")
              if p.is_file() and KEY.encode() in p.read_bytes()]
@@ -153,7 +153,7 @@ def test_a_round_against_a_served_model_commits_and_keeps_the_key_out(tmp_path, 
 
 
 def test_a_server_killed_mid_round_leaves_a_committed_round_with_failed_turns(tmp_path, tiny, client, monkeypatch):
-    from unstable_dask.lake import core as lk
+    from unstable_dask.lake import Lake
     from unstable_dask.play import round as round_mod
     monkeypatch.setenv("TINY_ENDPOINT_KEY", KEY)
     real = round_mod.play_task
@@ -175,7 +175,7 @@ def test_a_server_killed_mid_round_leaves_a_committed_round_with_failed_turns(tm
         s = round_mod.play_round(job, client=client)
         assert server.proc.poll() is not None  # it was killed while the round played
 
-    assert s.games == 4 and lk.last_committed_round(job.run.lake, job.run.name) == 0
+    assert s.games == 4 and Lake(job.run.lake).last_round(job.run.name) == 0
     turns = _endpoint_turns(job)
     answered = [t for t in turns if t["error"] is None]
     failed = [t for t in turns if t["error"] is not None]
@@ -183,6 +183,6 @@ def test_a_server_killed_mid_round_leaves_a_committed_round_with_failed_turns(tm
     assert failed and all(t["completion"] is None and t["action"] == "" and t["invalid_move"] for t in failed)
     assert all(t["error"].startswith(("APIConnectionError", "APITimeoutError")) for t in failed)
     # every game ran to its end by the env's rules: the endpoint's seat forfeits by invalid moves
-    games = lk.query(job.run.lake, "SELECT game_id, seats FROM games").to_pylist()
+    games = Lake(job.run.lake).sql("SELECT game_id, seats FROM games").to_pylist()
     ended = [g for g in games if any(x["model_uid"] == SERVED and x["invalid_move"] for x in g["seats"])]
     assert len(games) == 4 and {t["game_id"] for t in failed} <= {g["game_id"] for g in ended}

@@ -11,7 +11,9 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
+from unstable_dask.lake import catalog, commit
+from unstable_dask.lake.commit import now
 from unstable_dask.config import ClusterConfig
 from unstable_dask.errors import JobError
 from unstable_dask.jobfile import load_job
@@ -30,7 +32,7 @@ def _long_job(tmp_path, games=24, **over):
 
 
 def _assert_round_whole(lake, games, rounds=1):
-    con = lk.connect(lake)
+    con = Lake(lake).connect()
     assert con.sql("SELECT count(*), count(DISTINCT game_id) FROM games").fetchall()[0] == (games * rounds, games * rounds)
     assert con.sql("SELECT count(*) FROM turns").fetchall()[0][0] == con.sql("SELECT sum(num_turns) FROM games").fetchall()[0][0]
     dup = con.sql("SELECT count(*) FROM (SELECT game_id, turn FROM turns GROUP BY ALL HAVING count(*) > 1)").fetchall()
@@ -81,13 +83,13 @@ def test_driver_killed_mid_round_then_rerun(tmp_path):
     assert list(games_dir.glob("*.parquet")), "the round never started writing"
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
-    assert lk.connect(tmp_path / "lake").sql("SELECT count(*) FROM games").fetchall() == [(0,)]  # nothing visible
+    assert Lake(tmp_path / "lake").connect().sql("SELECT count(*) FROM games").fetchall() == [(0,)]  # nothing visible
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "round 0 of run" in done.stdout
     _assert_round_whole(tmp_path / "lake", 24)
     leftovers = [p for p in games_dir.iterdir()]
-    assert len({lk.attempt_of(p) for p in leftovers}) == 1  # the killed attempt's files were removed
+    assert len({commit.attempt_of(p) for p in leftovers}) == 1  # the killed attempt's files were removed
 
 
 @pytest.mark.slow
@@ -122,28 +124,28 @@ def test_readers_see_only_committed_rounds_while_a_round_writes(tmp_path, local_
     t = threading.Thread(target=play_round, args=(job,), kwargs={"client": local_client})
     t.start()
     while t.is_alive():
-        seen.add(lk.connect(job.run.lake).sql("SELECT count(*) FROM games").fetchall()[0][0])
+        seen.add(Lake(job.run.lake).connect().sql("SELECT count(*) FROM games").fetchall()[0][0])
         time.sleep(0.05)
     t.join()
-    seen.add(lk.connect(job.run.lake).sql("SELECT count(*) FROM games").fetchall()[0][0])
+    seen.add(Lake(job.run.lake).connect().sql("SELECT count(*) FROM games").fetchall()[0][0])
     assert seen <= {12, 24} and 24 in seen
 
 
 def test_foreign_and_torn_files_are_skipped_with_a_message(tmp_path, caplog):
     import pyarrow.parquet as pq
-    t = lk.now()
+    t = now()
     seat = dict(pid=0, model_uid="base", is_learner=True, role="P0", reward=1.0, invalid_move=False, reason="")
     game = dict(game_id="g", split="train", env_id="E", seed=1, num_players=1, num_turns=0, started_at=t,
                 finished_at=t, worker="w", task="t", seats=[seat])
-    lk.write_table(tmp_path, "games", "r", 0, "task-0000", [game])
+    Lake(tmp_path).write("games", "r", 0, "task-0000", [game])
     d = tmp_path / "games/run=r/round=0"
     pq.write_table(pa.table({"name": ["not a game"], "x": [1]}), d / "notes.parquet")  # another schema
     pq.write_table(pa.table({"game_id": [1], "seats": [2]}), d / "wrongtypes.parquet")
     (d / "torn.parquet").write_bytes((d / "task-0000.parquet").read_bytes()[:100])
     (d / "empty.parquet").write_bytes(b"")
-    lk.commit_round(tmp_path, "r", 0, {"checkpoint_uid": "base"})
+    Lake(tmp_path).commit_round("r", 0, {"checkpoint_uid": "base"})
     with caplog.at_level("WARNING", logger="unstable_dask.lake"):
-        rows = lk.query(tmp_path, "SELECT game_id FROM games").to_pylist()
+        rows = Lake(tmp_path).sql("SELECT game_id FROM games").to_pylist()
     assert rows == [{"game_id": "g"}]
     for name in ("notes.parquet", "wrongtypes.parquet", "torn.parquet", "empty.parquet"):
         assert name in caplog.text
@@ -162,21 +164,21 @@ def test_lake_from_an_older_schema_still_reads(tmp_path):
     pq.write_table(pa.table({"checkpoint_uid": ["base"], "games": [1]}),
                    (lambda p: (p.mkdir(parents=True), p)[1])(tmp_path / "rounds/run=r/round=0") / "commit.parquet")
     migrate(tmp_path)  # the lake of the time gets its Delta log
-    lk.write_table(tmp_path, "turns", "r", 1, "task-0000.abc", [{"game_id": "new", "turn": 0, "pid": 1,
+    Lake(tmp_path).write("turns", "r", 1, "task-0000.abc", [{"game_id": "new", "turn": 0, "pid": 1,
                                                                  "logprobs": [-0.5], "latency_s": 0.1}])
-    lk.commit_round(tmp_path, "r", 1, {"attempt": "abc", "checkpoint_uid": "base"})
-    rows = lk.query(tmp_path, "SELECT game_id, round, logprobs, latency_s FROM turns ORDER BY round").to_pylist()
+    Lake(tmp_path).commit_round("r", 1, {"attempt": "abc", "checkpoint_uid": "base"})
+    rows = Lake(tmp_path).sql("SELECT game_id, round, logprobs, latency_s FROM turns ORDER BY round").to_pylist()
     assert rows == [{"game_id": "old", "round": 0, "logprobs": None, "latency_s": None},
                     {"game_id": "new", "round": 1, "logprobs": [-0.5], "latency_s": 0.1}]
-    lk.write_table(tmp_path, "turns", "r", 2, "task-0000.def", [{"game_id": "grouped", "turn": 0, "pid": 0,
+    Lake(tmp_path).write("turns", "r", 2, "task-0000.def", [{"game_id": "grouped", "turn": 0, "pid": 0,
                                                                  "group_id": "r-r0002-train-g00000",
                                                                  "completion_token_ids": [7, 2], "logprobs": [-1, -2]}])
-    lk.commit_round(tmp_path, "r", 2, {"attempt": "def", "checkpoint_uid": "base", "temperature": 0.7})
-    rows = lk.query(tmp_path, "SELECT game_id, group_id, completion_token_ids FROM turns ORDER BY round").to_pylist()
+    Lake(tmp_path).commit_round("r", 2, {"attempt": "def", "checkpoint_uid": "base", "temperature": 0.7})
+    rows = Lake(tmp_path).sql("SELECT game_id, group_id, completion_token_ids FROM turns ORDER BY round").to_pylist()
     assert rows == [{"game_id": "old", "group_id": None, "completion_token_ids": None},
                     {"game_id": "new", "group_id": None, "completion_token_ids": None},
                     {"game_id": "grouped", "group_id": "r-r0002-train-g00000", "completion_token_ids": [7, 2]}]
-    assert lk.query(tmp_path, "SELECT round, temperature FROM rounds ORDER BY round").to_pylist() == [
+    assert Lake(tmp_path).sql("SELECT round, temperature FROM rounds ORDER BY round").to_pylist() == [
         {"round": 0, "temperature": None}, {"round": 1, "temperature": None}, {"round": 2, "temperature": 0.7}]
 
 
@@ -192,15 +194,15 @@ def test_lake_written_entirely_before_a_column_existed_still_opens(tmp_path):
                        ("rounds", {"checkpoint_uid": "base", "games": 1})):
         d = tmp_path / table / "run=r/round=0"
         d.mkdir(parents=True)
-        old = pa.schema([f for f in lk.SCHEMAS[table] if f.name in row])  # the columns of the time, typed
+        old = pa.schema([f for f in catalog.SCHEMAS[table] if f.name in row])  # the columns of the time, typed
         pq.write_table(pa.Table.from_pylist([row], schema=old),
                        d / ("commit.parquet" if table == "rounds" else "task-0000.parquet"))
     migrate(tmp_path)
-    assert lk.query(tmp_path, "SELECT game_id, group_id, reward FROM seats").to_pylist() == [
+    assert Lake(tmp_path).sql("SELECT game_id, group_id, reward FROM seats").to_pylist() == [
         {"game_id": "g", "group_id": None, "reward": 1.0}]
-    assert lk.query(tmp_path, "SELECT completion_token_ids, group_id FROM turns").to_pylist() == [
+    assert Lake(tmp_path).sql("SELECT completion_token_ids, group_id FROM turns").to_pylist() == [
         {"completion_token_ids": None, "group_id": None}]
-    assert lk.query(tmp_path, "SELECT temperature FROM rounds").to_pylist() == [{"temperature": None}]
+    assert Lake(tmp_path).sql("SELECT temperature FROM rounds").to_pylist() == [{"temperature": None}]
 
 
 def _run(args, tmp_path, **kw):
@@ -223,7 +225,7 @@ def _kill_at(args, tmp_path, after_s: float) -> bool:
 
 def _assert_learner_consistent(lake: Path):
     """Every visible checkpoint has its whole adapter and optimizer state; steps only with it."""
-    con = lk.connect(lake)
+    con = Lake(lake).connect()
     cks = con.sql("SELECT iteration, uid, adapter_path FROM checkpoints ORDER BY 1").fetchall()
     assert [c[0] for c in cks] == list(range(1, len(cks) + 1))
     for _, uid, rel in cks:

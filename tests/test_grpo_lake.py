@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import logprob_check
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 from unstable_dask.jobfile import load_job
 from unstable_dask.learn.learner import build_query, learn, plan
 from unstable_dask.learn.rewards import run_batch_query
@@ -45,7 +45,7 @@ def _outcomes(con) -> dict:
 
 
 def test_batches_hold_whole_groups_with_group_relative_advantages(job):
-    con = lk.connect(job.run.lake)
+    con = Lake(job.run.lake).connect()
     outcomes = _outcomes(con)
     assert len(outcomes) == 16 and all(len(games) == 4 for games in outcomes.values())  # 8 start states x 2 seats
     turns = defaultdict(set)
@@ -86,7 +86,7 @@ def test_the_learner_batch_reproduces_the_behaviour_logprobs(job):
     round's temperature / top_p: a fresh LoRA (the base model) gives the engine's log-probs back."""
     from unstable_dask.learn.tokens import LOGP_FLOOR, completion_logprobs, logits_of
     from unstable_dask.learn.trainer import Trainer
-    con = lk.connect(job.run.lake)
+    con = Lake(job.run.lake).connect()
     table = run_batch_query(con, build_query(job, plan(job), 0, con))
     trainer = Trainer(job, None, torch.device("cpu"))
     batch = trainer.batch(table)
@@ -109,5 +109,5 @@ def test_a_ppo_style_update_on_real_groups(job):
     assert math.isfinite(step["loss"]) and step["grad_norm"] > 0
     # lr 1e-2: the policy moves in epoch 1, so epoch 2 meets ratios the clip acts on
     assert step["clip_frac"] > 0
-    row = lk.read_table(job.run.lake, "learner_steps").to_pylist()[0]
+    row = Lake(job.run.lake).table("learner_steps").read().to_pylist()[0]
     assert row["optimizer_steps"] == step["optimizer_steps"] and row["clip_frac"] == step["clip_frac"]

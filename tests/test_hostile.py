@@ -7,11 +7,12 @@ import pytest
 
 from unstable_dask.inference import engine as engines
 
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 from unstable_dask.jobfile import load_job
 from unstable_dask.inference.engine import Generation
 from unstable_dask.play.task import play_task
-from unstable_dask.play.schedule import list_checkpoints, schedule_round
+from unstable_dask.play.opponents import list_checkpoints
+from unstable_dask.play.schedule import schedule_round
 
 SEEDS = [
     "", " ", "\\boxed{", "\\boxed{\\boxed{", "\\boxed{}", "}" * 50, "x" * 100_000, "\\boxed{" * 5_000,
@@ -64,14 +65,14 @@ def test_thousand_hostile_completions_through_games_lake_and_report(tmp_path, mo
         "round.error_allowance": 3, "round.max_turns": 8,
         "round.train_envs": [{"env_id": "SimpleTak-v0-train"}, {"env_id": "TicTacToe-v0-train"},
                              {"env_id": "KuhnPoker-v0-train"}, {"env_id": "ConnectFour-v0-train"}]})
-    cks = list_checkpoints(job.run.lake, job.run.name)
-    tasks = schedule_round(job, 0, cks[-1], cks)
+    cks = list_checkpoints(Lake(job.run.lake), job.run.name)
+    tasks = schedule_round(job, Lake(job.run.lake), 0, cks[-1], cks)
     for task in tasks:
-        play_task(task, job.model, job.round, job.run.lake)
-    lk.commit_round(job.run.lake, job.run.name, 0, {"attempt": tasks[0].attempt, "checkpoint_uid": "base"})
+        play_task(task, job.model, job.round, Lake(job.run.lake))
+    Lake(job.run.lake).commit_round(job.run.name, 0, {"attempt": tasks[0].attempt, "checkpoint_uid": "base"})
     assert engine.i >= 1000, "every hostile completion was played"
 
-    con = lk.connect(job.run.lake)
+    con = Lake(job.run.lake).connect()
     assert con.sql("SELECT count(*) FROM games").fetchall() == [(240,)]
     stored = {r[0] for r in con.sql("SELECT completion FROM turns WHERE completion IS NOT NULL").fetchall()}
     assert "x" * 100_000 in stored  # long text stored whole

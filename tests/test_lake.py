@@ -5,9 +5,10 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
+from unstable_dask.lake.commit import now
 def _game(gid: str, reward: float = 1.0) -> dict:
-    t = lk.now()
+    t = now()
     seat = lambda pid, r: dict(pid=pid, model_uid="base", is_learner=True, role=f"Player {pid}", reward=r,
                                invalid_move=False, reason="")
     return dict(game_id=gid, split="train", env_id="SimpleTak-v0-train", seed=1, num_players=2, num_turns=5,
@@ -15,21 +16,21 @@ def _game(gid: str, reward: float = 1.0) -> dict:
 
 
 def _commit(lake, run, rnd):
-    t = lk.now()
-    return lk.commit_round(lake, run, rnd, dict(checkpoint_uid="base", games=1, turns=0, tasks=1,
+    t = now()
+    return Lake(lake).commit_round(run, rnd, dict(checkpoint_uid="base", games=1, turns=0, tasks=1,
                                                 completion_tokens=0, job_fingerprint="f", job="{}",
                                                 started_at=t, committed_at=t))
 
 
 def test_uncommitted_rounds_are_invisible(tmp_path):
-    lk.write_table(tmp_path, "games", "r1", 0, "task-0000", [_game("a")])
-    lk.write_table(tmp_path, "games", "r1", 1, "task-0000", [_game("b")])
+    Lake(tmp_path).write("games", "r1", 0, "task-0000", [_game("a")])
+    Lake(tmp_path).write("games", "r1", 1, "task-0000", [_game("b")])
     _commit(tmp_path, "r1", 0)
-    con = lk.connect(tmp_path)
+    con = Lake(tmp_path).connect()
     assert con.sql("SELECT game_id FROM games").fetchall() == [("a",)]
     assert con.sql("SELECT count(*) FROM seats").fetchall() == [(2,)]
     _commit(tmp_path, "r1", 1)
-    assert lk.connect(tmp_path).sql("SELECT count(*) FROM games").fetchall() == [(2,)]
+    assert Lake(tmp_path).connect().sql("SELECT count(*) FROM games").fetchall() == [(2,)]
 
 
 def test_commit_marker_is_exclusive(tmp_path):
@@ -39,39 +40,39 @@ def test_commit_marker_is_exclusive(tmp_path):
 
 
 def test_retried_task_replaces_its_file(tmp_path):
-    lk.write_table(tmp_path, "games", "r1", 0, "task-0000", [_game("a", 1.0)])
-    lk.write_table(tmp_path, "games", "r1", 0, "task-0000", [_game("a", -1.0)])  # the retry
+    Lake(tmp_path).write("games", "r1", 0, "task-0000", [_game("a", 1.0)])
+    Lake(tmp_path).write("games", "r1", 0, "task-0000", [_game("a", -1.0)])  # the retry
     _commit(tmp_path, "r1", 0)
-    rows = lk.query(tmp_path, "SELECT game_id, reward FROM seats WHERE pid = 0").to_pylist()
+    rows = Lake(tmp_path).sql("SELECT game_id, reward FROM seats WHERE pid = 0").to_pylist()
     assert rows == [{"game_id": "a", "reward": -1.0}]
     assert [p.name for p in (tmp_path / "games/run=r1/round=0").iterdir()] == ["task-0000.parquet"]
 
 
 def test_torn_and_temp_files_are_skipped(tmp_path):
-    lk.write_table(tmp_path, "games", "r1", 0, "task-0000", [_game("a")])
+    Lake(tmp_path).write("games", "r1", 0, "task-0000", [_game("a")])
     d = tmp_path / "games/run=r1/round=0"
     good = (d / "task-0000.parquet").read_bytes()
     (d / "task-0001.parquet").write_bytes(good[: len(good) // 2])  # no footer
     (d / "task-0002.parquet").write_bytes(b"")
     (d / ".task-0003.abcd.tmp").write_bytes(good)
     _commit(tmp_path, "r1", 0)
-    assert lk.query(tmp_path, "SELECT count(*) AS n FROM games").to_pylist() == [{"n": 1}]
+    assert Lake(tmp_path).sql("SELECT count(*) AS n FROM games").to_pylist() == [{"n": 1}]
 
 
 def test_empty_lake_has_typed_empty_views(tmp_path):
-    con = lk.connect(tmp_path)
+    con = Lake(tmp_path).connect()
     assert con.sql("SELECT count(*) FROM turns WHERE format_ok").fetchall() == [(0,)]
     assert con.sql("SELECT count(*) FROM seats").fetchall() == [(0,)]
 
 
 def test_readback_pandas_pyarrow_and_duckdb_shell_file(tmp_path):
-    lk.write_table(tmp_path, "games", "r1", 0, "task-0000", [_game("a")])
+    Lake(tmp_path).write("games", "r1", 0, "task-0000", [_game("a")])
     _commit(tmp_path, "r1", 0)
-    df = lk.connect(tmp_path).sql("SELECT * FROM games").df()
+    df = Lake(tmp_path).connect().sql("SELECT * FROM games").df()
     assert df.loc[0, "game_id"] == "a" and df.loc[0, "round"] == 0 and len(df.loc[0, "seats"]) == 2
     table = pq.read_table(tmp_path / "games")  # plain pyarrow reads the hive layout too
     assert table.column("run").to_pylist() == ["r1"] and table.num_rows == 1
-    catalog = lk.refresh_catalog(tmp_path)
+    catalog = Lake(tmp_path).refresh_catalog()
     con = duckdb.connect(str(catalog), read_only=True)
     assert con.sql("SELECT model_uid, count(*) FROM seats GROUP BY 1").fetchall() == [("base", 2)]
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
@@ -82,9 +83,9 @@ def test_user_sql_cannot_write_or_read_outside(tmp_path):
     for sql in [f"COPY (SELECT 1) TO '{tmp_path}/x.csv'", "CREATE TABLE t AS SELECT 1", "ATTACH 'x.db'",
                 "INSTALL httpfs", "SET enable_external_access = true"]:
         with pytest.raises(JobError):
-            lk.query(tmp_path, sql)
+            Lake(tmp_path).sql(sql)
     with pytest.raises(JobError):
-        lk.query(tmp_path, "SELECT * FROM read_csv('/etc/passwd')")
+        Lake(tmp_path).sql("SELECT * FROM read_csv('/etc/passwd')")
     assert not (tmp_path / "x.csv").exists()
 
 
@@ -92,7 +93,7 @@ def test_sql_command_prints_table_csv_and_json(tmp_path, capsys):
     import json
 
     from unstable_dask import cli as run
-    lk.write_table(tmp_path, "games", "r1", 0, "task-0000", [_game("a"), _game("b")])
+    Lake(tmp_path).write("games", "r1", 0, "task-0000", [_game("a"), _game("b")])
     _commit(tmp_path, "r1", 0)
     q = "SELECT game_id, count(*) AS seats FROM seats GROUP BY 1 ORDER BY 1"
     assert run.main(["sql", q, "--lake", str(tmp_path), "--format", "csv"]) == 0

@@ -6,10 +6,10 @@ import torch
 
 import test_rewards
 from test_rewards import RUN
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 from unstable_dask.errors import JobError
 from unstable_dask.jobfile import validate_job
-from unstable_dask.learn.learner import build_query, checkpoint_rows, learn, plan
+from unstable_dask.learn.learner import build_query, learn, plan
 from unstable_dask.learn.rewards import run_batch_query
 
 
@@ -59,7 +59,7 @@ def test_learn_resumes_exactly_and_adapter_round_trips(tmp_path):
     # Reference: the same two updates in one process, never saved and reloaded.
     ref = Trainer(job, None, torch.device("cpu"))
     for p in (p1, p2):
-        ref.update(run_batch_query(lk.connect(lake), build_query(job, p)))
+        ref.update(run_batch_query(Lake(lake).connect(), build_query(job, p)))
     base = AutoModelForCausalLM.from_pretrained(resolve_model("builtin:tiny"), dtype=torch.float32)
     loaded = PeftModel.from_pretrained(base, str(lake / r2.adapter_path))
     got, want = lora_state(loaded), lora_state(ref.policy)
@@ -71,9 +71,9 @@ def test_learn_resumes_exactly_and_adapter_round_trips(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, ref.policy(input_ids=ids).logits, rtol=0, atol=1e-5)
 
-    ckpts = checkpoint_rows(lake, RUN)
+    ckpts = Lake(lake).table("checkpoints").rows(RUN, order_by="iteration")
     assert [c["uid"] for c in ckpts] == ["ckpt-1", "ckpt-2"] and ckpts[1]["parent_uid"] == "ckpt-1"
-    steps = lk.read_table(lake, "learner_steps").to_pylist()
+    steps = Lake(lake).table("learner_steps").read().to_pylist()
     assert [s["iteration"] for s in steps] == [1, 2]
     assert all(s["samples"] == 8 and s["tokens"] > 0 and s["grad_norm"] > 0 for s in steps)
 
@@ -97,8 +97,8 @@ def test_other_algorithms_train_and_resume(tmp_path, algorithm):
 def test_uncommitted_learner_output_is_invisible(tmp_path):
     lake = make_lake(tmp_path / "lake", rounds=1, games=12)
     # Steps written but no checkpoint row (a learn job killed before its commit): nothing visible.
-    lk.write_table(lake, "learner_steps", RUN, 1, "steps", [{"update": 0, "loss": 1.0}])
-    assert lk.visible_files(lake, "learner_steps") == []
+    Lake(lake).write("learner_steps", RUN, 1, "steps", [{"update": 0, "loss": 1.0}])
+    assert Lake(lake).table("learner_steps").files() == []
     assert plan(job_for(lake)).iteration == 1
 
 
@@ -138,7 +138,7 @@ def test_preview_at_version_reproduces_the_batch_a_checkpoint_trained_on(tmp_pat
     job = job_for(lake, window="all")
     sql_then, preview_then = learn(job, show_sql=True), learn(job, preview=True)
     learn(job)
-    step = lk.query(lake, "SELECT table_versions, samples FROM learner_steps WHERE update = 0").to_pylist()[0]
+    step = Lake(lake).sql("SELECT table_versions, samples FROM learner_steps WHERE update = 0").to_pylist()[0]
     versions = json.loads(step["table_versions"])
     assert set(versions) >= {"games", "turns", "rounds"}
     make_lake(lake, rounds=1, games=12, seed=1, first=2)
@@ -147,7 +147,7 @@ def test_preview_at_version_reproduces_the_batch_a_checkpoint_trained_on(tmp_pat
         assert learn(job, preview=True, at_version=at) == preview_then
         assert learn(job, show_sql=True, at_version=at) == sql_then
     assert preview_then.endswith(f"({step['samples']} rows)")
-    assert lk.connect(lake, versions=versions).sql("SELECT DISTINCT round FROM turns").fetchall() == [(1,)]
+    assert Lake(lake).at(versions).connect().sql("SELECT DISTINCT round FROM turns").fetchall() == [(1,)]
     with pytest.raises(JobError, match="ckpt-9"):
         learn(job, preview=True, at_version="ckpt-9")
     with pytest.raises(JobError, match="--preview or --show-sql"):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import pytest
 
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 from unstable_dask.jobfile import validate_job
 from unstable_dask.loop import loop
 
@@ -57,8 +57,7 @@ def test_win_rate_rises_clearly(tmp_path, algorithm):
                   "window": "latest", "gradient_checkpointing": False, "updates_per_round": 2,
                   "max_generation_len": 16, "final_transforms": [], "step_transforms": []} | learn_extra})
     loop(job, 12, rate=False)
-    win = {r["round"]: r["win"] for r in lk.query(
-        lake, "SELECT round, avg((reward > 0)::DOUBLE) AS win FROM seats GROUP BY round").to_pylist()}
+    win = {r["round"]: r["win"] for r in Lake(lake).sql("SELECT round, avg((reward > 0)::DOUBLE) AS win FROM seats GROUP BY round").to_pylist()}
     first, last = (win[0] + win[1]) / 2, (win[9] + win[10] + win[11]) / 3
     # Base rate is ~0.1 (a digit is rare in random text). The margin is about the sign and size of
     # learning, not its speed: the two means' standard error is <= 0.045 (128 and 192 games), so

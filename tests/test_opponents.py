@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import trueskill
 
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 from unstable_dask.jobfile import load_job
 from unstable_dask.learn.learner import learn
 from unstable_dask.rate.ratings import rate
 from unstable_dask.play.round import play_round
-from unstable_dask.play.schedule import OpponentPool, list_checkpoints
+from unstable_dask.play.opponents import OpponentPool, list_checkpoints
 
 
 def _job(tmp_path, **over):
@@ -25,12 +25,12 @@ def _job(tmp_path, **over):
 
 
 def _pool(job) -> OpponentPool:
-    cks = list_checkpoints(job.run.lake, job.run.name)
-    return OpponentPool(job, cks[-1], cks)
+    cks = list_checkpoints(Lake(job.run.lake), job.run.name)
+    return OpponentPool(job, Lake(job.run.lake), cks[-1], cks)
 
 
 def _opponents(job, round_: int) -> set[str]:
-    rows = lk.query(job.run.lake, "SELECT DISTINCT model_uid FROM seats WHERE round = ? AND NOT is_learner", [round_])
+    rows = Lake(job.run.lake).sql("SELECT DISTINCT model_uid FROM seats WHERE round = ? AND NOT is_learner", [round_])
     return set(rows.column("model_uid").to_pylist())
 
 
@@ -41,8 +41,7 @@ def test_match_quality_weighs_the_new_checkpoint_by_its_inherited_rating(tmp_pat
     play_round(job, client=local_client)
     assert learn(job).uid == "ckpt-1"
     rate(job)
-    rated = {r["model_uid"]: (r["mu"], r["sigma"]) for r in lk.query(
-        job.run.lake, "SELECT model_uid, mu, sigma FROM ratings WHERE env_id = '*'").to_pylist()}
+    rated = {r["model_uid"]: (r["mu"], r["sigma"]) for r in Lake(job.run.lake).sql("SELECT model_uid, mu, sigma FROM ratings WHERE env_id = '*'").to_pylist()}
     assert set(rated) == {"base", "random"}  # ckpt-1 has not played
 
     pool = _pool(job)
@@ -66,7 +65,7 @@ def test_match_quality_weighs_the_new_checkpoint_by_its_inherited_rating(tmp_pat
 
 def _last_wins(job, learner: str, opponent: str, n: int) -> list[bool]:
     """The learner's last n train games against `opponent`, newest first, straight from the seats."""
-    return lk.query(job.run.lake, """
+    return Lake(job.run.lake).sql("""
         SELECT l.reward > o.reward AS win FROM seats l JOIN seats o USING (run, round, game_id)
         WHERE l.is_learner AND NOT o.is_learner AND l.split = 'train'
           AND l.model_uid = ? AND o.model_uid = ?

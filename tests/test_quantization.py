@@ -61,7 +61,7 @@ def test_a_quantized_learner_writes_a_standard_adapter(bits: str, tmp_path: Path
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from unstable_dask.lake import core as lk
+    from unstable_dask.lake import Lake
     from unstable_dask.inference.weights import resolve_model
     from unstable_dask.play.round import play_round
     job = load_job("jobs/demo.toml", {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),
@@ -70,7 +70,7 @@ def test_a_quantized_learner_writes_a_standard_adapter(bits: str, tmp_path: Path
                                       "learn.device": "cuda", "learn.quantization": bits})
     play_round(job, client=local_client)
     res = learn_mod.learn(job)
-    step = lk.query(job.run.lake, "SELECT * FROM learner_steps").to_pylist()[0]
+    step = Lake(job.run.lake).sql("SELECT * FROM learner_steps").to_pylist()[0]
     assert step["device"] == "cuda" and step["cuda_mem_peak"] > 0 and math.isfinite(step["loss"])
     adapter = tmp_path / "lake" / res.adapter_path
     cfg = json.loads((adapter / "adapter_config.json").read_text())

@@ -10,7 +10,8 @@ import trueskill
 
 import synthetic_lake as sl
 from unstable_dask.rate import duels
-from unstable_dask.lake import core as lake
+from unstable_dask.skill import make_env
+from unstable_dask.lake import Lake
 from unstable_dask.rate import ratings
 from unstable_dask.errors import JobError
 from unstable_dask.jobfile import default_job
@@ -29,14 +30,14 @@ def job_for(lake_dir: Path, **ratings_cfg):
 
 
 def file_bytes(lake_dir: Path) -> dict[str, bytes]:
-    return {t: (Path(lake.table_dir(lake_dir, t, RUN)) / f"{k}.parquet").read_bytes() for t, k in FILES}
+    return {t: (Path(Lake(lake_dir).partition_dir(t, RUN)) / f"{k}.parquet").read_bytes() for t, k in FILES}
 
 
 def oracle(lake_dir: Path, cfg, include_eval: bool = True) -> tuple[dict, dict]:
     """The documented rules as a direct loop, every game through trueskill.TrueSkill.rate."""
     env = trueskill.TrueSkill(mu=cfg.mu, sigma=cfg.sigma, beta=cfg.beta, tau=cfg.tau,
                               draw_probability=cfg.draw_probability)
-    con = lake.connect(lake_dir)
+    con = Lake(lake_dir).connect()
     games = con.sql("SELECT round, env_id, split, seats FROM games WHERE run = ? ORDER BY round, game_id",
                     params=[RUN]).fetchall()
     parent = dict(con.sql("SELECT uid, parent_uid FROM checkpoints WHERE run = ?", params=[RUN]).fetchall())
@@ -113,7 +114,7 @@ def test_equals_trueskill_package_loop(syn_lake: Path, include_eval: bool) -> No
 def test_fast_path_equals_package_on_random_duels() -> None:
     """Closed form vs the package on single games over a wide range of ratings, draws and dummies."""
     cfg = default_job().ratings
-    margin = trueskill.calc_draw_margin(cfg.draw_probability, 2, env=duels.make_env(cfg))
+    margin = trueskill.calc_draw_margin(cfg.draw_probability, 2, env=make_env(cfg))
     rng = random.Random(7)
     for _ in range(3000):
         mu = [rng.uniform(-10, 60), rng.uniform(-10, 60)]
@@ -137,8 +138,8 @@ def test_fast_path_equals_package_on_random_duels() -> None:
 def test_extreme_upset_falls_back_to_mpmath() -> None:
     """Where float64 cannot rate an upset, the package raises; the replay uses mpmath instead."""
     cfg = job_for(Path("unused"), beta=0.5, tau=0.0).ratings
-    margin = trueskill.calc_draw_margin(cfg.draw_probability, 2, env=duels.make_env(cfg))
-    env = duels.make_env(cfg)
+    margin = trueskill.calc_draw_margin(cfg.draw_probability, 2, env=make_env(cfg))
+    env = make_env(cfg)
     strong, weak = env.create_rating(100.0, 1.0), env.create_rating(0.0, 1.0)
     with pytest.raises(FloatingPointError):
         env.rate([(weak,), (strong,)], ranks=[0, 1])
@@ -234,6 +235,6 @@ def test_empty_lake_writes_empty_tables(tmp_path: Path) -> None:
     assert res.ratings.num_rows == 0 and res.rounds == []
     for p in res.paths:
         assert pq.read_table(p).num_rows == 0
-    con = lake.connect(tmp_path / "lake")  # the lake's views read the new tables
+    con = Lake(tmp_path / "lake").connect()  # the lake's views read the new tables
     assert con.sql("SELECT count(*) FROM ratings").fetchall() == [(0,)]
     con.close()

@@ -133,7 +133,7 @@ def _assert_tips(shown: list[str], expected: list[str]) -> None:
 def test_learning_curves_show_the_lakes_numbers(tmp_path: Path, local_client) -> None:
     """Real tiny-model rounds (WinningNumber vs the random agent: wins, draws and losses all occur),
     a learner update between them; the curves in Chromium carry the numbers the lake holds."""
-    from unstable_dask.lake import core as lk
+    from unstable_dask.lake import Lake
     from unstable_dask.jobfile import load_job
     from unstable_dask.learn.learner import learn
     from unstable_dask.loop import round_summary
@@ -150,9 +150,9 @@ def test_learning_curves_show_the_lakes_numbers(tmp_path: Path, local_client) ->
     ratings.rate(job)
     page = report.report(job)
     # The expected numbers, straight from the lake's seats and turns (not the report's query).
-    seats = lk.query(job.run.lake, """SELECT s.round, s.game_id, s.reward, max(o.reward) AS other FROM seats s JOIN seats o
+    seats = Lake(job.run.lake).sql("""SELECT s.round, s.game_id, s.reward, max(o.reward) AS other FROM seats s JOIN seats o
         ON o.game_id = s.game_id AND o.pid <> s.pid WHERE s.split = 'eval' AND s.is_learner GROUP BY ALL""").to_pylist()
-    turns = lk.query(job.run.lake, "SELECT round, split, invalid_move FROM turns WHERE is_learner").to_pylist()
+    turns = Lake(job.run.lake).sql("SELECT round, split, invalid_move FROM turns WHERE is_learner").to_pylist()
     tips = {}
     for r in (0, 1):
         mine = [s for s in seats if s["round"] == r]

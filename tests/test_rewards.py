@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 from unstable_dask.errors import JobError
 from unstable_dask.learn.rewards import (GroupRelativeAdvantage, NormalizeRewards, NormalizeRewardsByEnv,
                                    PenaltyForInvalidMove, RewardForFormat, RoleAdvantageByEnvFormatter,
@@ -55,15 +55,15 @@ def make_lake(root, rounds=3, games=40, seed=0, first=1, encode=None):
                     prompt_tokens=len(encode(prompt)) if encode else 5, completion_tokens=n_c,
                     completion_token_ids=[rng.randrange(3, 300) for _ in range(n_c)] if learner else None,
                     truncated=False, logprobs=None))
-        lk.write_table(root, "games", RUN, r, "task0", games_rows)
-        lk.write_table(root, "turns", RUN, r, "task0", turns_rows)
-        lk.commit_round(root, RUN, r, dict(checkpoint_uid="ckpt", games=len(ids), temperature=1.0, top_p=1.0,
+        Lake(root).write("games", RUN, r, "task0", games_rows)
+        Lake(root).write("turns", RUN, r, "task0", turns_rows)
+        Lake(root).commit_round(RUN, r, dict(checkpoint_uid="ckpt", games=len(ids), temperature=1.0, top_p=1.0,
                                            max_new_tokens=8))
     return root
 
 
 def ref_final(root, tau, by_env, upto):
-    con = lk.connect(root)
+    con = Lake(root).connect()
     seats = con.sql(f"SELECT round, game_id, env_id, pid, reward FROM seats WHERE run = '{RUN}' "
                     f"AND split = 'train' AND is_learner AND round <= {upto}").fetchall()
     b, out = defaultdict(float), {}
@@ -75,7 +75,7 @@ def ref_final(root, tau, by_env, upto):
 
 
 def ref_steps(root, final, rounds, step):
-    con = lk.connect(root)
+    con = Lake(root).connect()
     rows = con.sql(f"SELECT round, game_id, turn, pid, env_id, group_id, prompt, format_ok, invalid_move FROM turns "
                    f"WHERE run = '{RUN}' AND split = 'train' AND is_learner AND prompt IS NOT NULL").fetchall()
     out = {}
@@ -142,9 +142,9 @@ SAMPLINGS = [None, NormalizeRewards(), NormalizeRewards(z_score=True), Normalize
 @pytest.mark.parametrize("final", FINALS, ids=repr)
 @pytest.mark.parametrize("window", ["latest", "all", 2])
 def test_final_and_step_transforms_match_reference(lake, final, window):
-    rounds = window_rounds(lake, RUN, window)
+    rounds = window_rounds(Lake(lake).rounds(RUN), window)
     ref_f = ref_final(lake, final.tau, isinstance(final, RoleAdvantageByEnvFormatter), max(rounds))
-    con = lk.connect(lake)
+    con = Lake(lake).connect()
     for step in STEPS:
         got = run_batch_query(con, batch_query(RUN, rounds, 10**6, 0, [final], step, []))
         ref = ref_steps(lake, ref_f, set(rounds), step)
@@ -157,10 +157,10 @@ def test_final_and_step_transforms_match_reference(lake, final, window):
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=repr)
 def test_sampling_transforms_match_reference_over_the_sampled_batch(lake, sampling):
-    rounds = window_rounds(lake, RUN, "all")
+    rounds = window_rounds(Lake(lake).rounds(RUN), "all")
     final, step = RoleAdvantageByEnvFormatter(), [RewardForFormat(1.5), PenaltyForInvalidMove(1.0, -1.0)]
     ref_all = ref_steps(lake, ref_final(lake, 0.001, True, max(rounds)), set(rounds), step)
-    con = lk.connect(lake)
+    con = Lake(lake).connect()
     got = run_batch_query(con, batch_query(RUN, rounds, 40, 7, [final], step, [sampling] if sampling else []))
     assert got.num_rows == 40 < len(ref_all)
     rows = {(r["round"], r["game_id"], r["turn"], r["pid"]): dict(ref_all[(r["round"], r["game_id"], r["turn"], r["pid"])])
@@ -212,26 +212,26 @@ def test_ema_is_exact_over_long_histories(tau):
 
 
 def test_query_is_deterministic_for_a_seed(lake):
-    rounds = window_rounds(lake, RUN, "all")
+    rounds = window_rounds(Lake(lake).rounds(RUN), "all")
     tr = dict(final=parse_transforms(["RoleAdvantageByEnvFormatter()"], "final"),
               step=parse_transforms(["RewardForFormat(1.5)", "PenaltyForInvalidMove(1.0, -1.0)"], "step"),
               sampling=parse_transforms(["NormalizeRewardsByEnv(z_score=True)"], "sampling"))
     q1 = batch_query(RUN, rounds, 30, 3, **tr)
     assert q1 == batch_query(RUN, rounds, 30, 3, **tr)
-    a = run_batch_query(lk.connect(lake), q1)
-    b = run_batch_query(lk.connect(lake), q1)
+    a = run_batch_query(Lake(lake).connect(), q1)
+    b = run_batch_query(Lake(lake).connect(), q1)
     # Same rows in the same order; float aggregates may differ in the last bit across DuckDB threads.
     assert a.drop_columns(["advantage"]).select(["round", "game_id", "turn", "pid", "prompt"]).equals(
         b.select(["round", "game_id", "turn", "pid", "prompt"]))
     assert a.column("advantage").to_pylist() == pytest.approx(b.column("advantage").to_pylist(), abs=1e-12)
-    c = run_batch_query(lk.connect(lake), batch_query(RUN, rounds, 30, 4, **tr))
+    c = run_batch_query(Lake(lake).connect(), batch_query(RUN, rounds, 30, 4, **tr))
     assert a.column("game_id").to_pylist() != c.column("game_id").to_pylist()
 
 
 @pytest.mark.parametrize("unit,cols", [("seat", ("round", "game_id", "pid")), ("group", ("group_id", "pid"))])
 def test_unit_sampling_takes_whole_units(lake, unit, cols):
-    rounds = window_rounds(lake, RUN, "all")
-    con = lk.connect(lake)
+    rounds = window_rounds(Lake(lake).rounds(RUN), "all")
+    con = Lake(lake).connect()
     allrows = run_batch_query(con, batch_query(RUN, rounds, 10**6, 0, [], [], [])).to_pylist()
     got = run_batch_query(con, batch_query(RUN, rounds, 25, 5, [], [], [], unit=unit)).to_pylist()
     assert 0 < len(got) <= 25 or len({tuple(r[c] for c in cols) for r in got}) == 1
@@ -254,9 +254,9 @@ def test_parser_builds_objects_without_eval():
 
 
 def test_raw_sql_transform_runs_on_its_stage_relation(lake):
-    rounds = window_rounds(lake, RUN, "latest")
+    rounds = window_rounds(Lake(lake).rounds(RUN), "latest")
     step = [parse_transform("SELECT * REPLACE (reward * 2 AS reward) FROM steps", "step")]
-    got = run_batch_query(lk.connect(lake), batch_query(RUN, rounds, 10**6, 0, [], step, []))
+    got = run_batch_query(Lake(lake).connect(), batch_query(RUN, rounds, 10**6, 0, [], step, []))
     for row in got.to_pylist():
         assert row["advantage"] == pytest.approx(2 * row["env_reward"], abs=1e-12)
 
@@ -270,8 +270,8 @@ def test_bad_or_writing_sql_is_a_job_error(sql):
 
 
 def test_sql_that_fails_at_run_time_or_drops_columns_is_a_job_error(lake):
-    rounds = window_rounds(lake, RUN, "latest")
-    con = lk.connect(lake)
+    rounds = window_rounds(Lake(lake).rounds(RUN), "latest")
+    con = Lake(lake).connect()
     for text in ["SELECT nope FROM steps", "SELECT game_id, reward FROM steps",
                  "SELECT * FROM read_csv('/etc/passwd')"]:
         with pytest.raises(JobError):

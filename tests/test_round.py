@@ -5,11 +5,13 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 from unstable_dask.jobfile import load_job
 from unstable_dask.play.task import play_task
 from unstable_dask.play.round import play_round, round_stats
-from unstable_dask.play.schedule import BASE_UID, RANDOM_UID, GameSpec, Seat, TaskSpec, list_checkpoints, schedule_round
+from unstable_dask.config import BASE_UID, RANDOM_UID
+from unstable_dask.play.opponents import RandomAgent, list_checkpoints
+from unstable_dask.play.schedule import GameSpec, TaskSpec, schedule_round
 
 
 def _job(tmp_path, **over):
@@ -24,7 +26,7 @@ def test_round_end_to_end(tmp_path, local_client):
     job = _job(tmp_path)
     s = play_round(job, client=local_client)
     assert (s.round, s.games, s.checkpoint_uid) == (0, 10, BASE_UID)
-    con = lk.connect(job.run.lake)
+    con = Lake(job.run.lake).connect()
     assert con.sql("SELECT count(*) FROM games").fetchall()[0][0] == 10
     assert con.sql("SELECT count(DISTINCT game_id) FROM games").fetchall()[0][0] == 10
     assert con.sql("SELECT split, count(*) FROM games GROUP BY 1 ORDER BY 1").fetchall() == [("eval", 4), ("train", 6)]
@@ -38,47 +40,47 @@ def test_round_end_to_end(tmp_path, local_client):
     # eval games seat the checkpoint against the random agent
     eval_seats = con.sql("SELECT model_uid, is_learner, count(*) FROM seats WHERE split='eval' GROUP BY ALL ORDER BY 1").fetchall()
     assert eval_seats == [(BASE_UID, True, 4), (RANDOM_UID, False, 4)]
-    stats = round_stats(job.run.lake, "demo", 0)
+    stats = round_stats(Lake(job.run.lake), "demo", 0)
     assert sum(r["games"] for r in stats if r["model_uid"] == BASE_UID and r["split"] == "train") == 6
     assert (tmp_path / "lake" / "lake.duckdb").exists()
     # the next round numbers itself and the first stays as it was
     s2 = play_round(job, client=local_client)
     assert s2.round == 1
-    assert lk.connect(job.run.lake).sql("SELECT round, count(*) FROM games GROUP BY 1 ORDER BY 1").fetchall() == [(0, 10), (1, 10)]
+    assert Lake(job.run.lake).connect().sql("SELECT round, count(*) FROM games GROUP BY 1 ORDER BY 1").fetchall() == [(0, 10), (1, 10)]
 
 
 @pytest.mark.slow
 def test_rerun_task_replaces_files_and_failed_round_is_redone(tmp_path, local_client):
     job = _job(tmp_path)
-    cks = list_checkpoints(job.run.lake, "demo")
-    task = dataclasses.replace(schedule_round(job, 0, cks[-1], cks)[0], attempt="dead0001")
-    play_task(task, job.model, job.round, job.run.lake)  # a driver attempt that died before commit
-    play_task(task, job.model, job.round, job.run.lake)  # a retry of its task
+    cks = list_checkpoints(Lake(job.run.lake), "demo")
+    task = dataclasses.replace(schedule_round(job, Lake(job.run.lake), 0, cks[-1], cks)[0], attempt="dead0001")
+    play_task(task, job.model, job.round, Lake(job.run.lake))  # a driver attempt that died before commit
+    play_task(task, job.model, job.round, Lake(job.run.lake))  # a retry of its task
     games_dir = tmp_path / "lake/games/run=demo/round=0"
     assert sorted(p.name for p in games_dir.iterdir()) == ["task-0000.dead0001.parquet"]
-    assert lk.connect(job.run.lake).sql("SELECT count(*) FROM games").fetchall()[0][0] == 0  # not committed
+    assert Lake(job.run.lake).connect().sql("SELECT count(*) FROM games").fetchall()[0][0] == 0  # not committed
     s = play_round(job, client=local_client)  # the re-run plays round 0 again, whole
     assert s.round == 0
-    assert lk.connect(job.run.lake).sql("SELECT count(*), count(DISTINCT game_id) FROM games").fetchall()[0] == (10, 10)
+    assert Lake(job.run.lake).connect().sql("SELECT count(*), count(DISTINCT game_id) FROM games").fetchall()[0] == (10, 10)
     assert not list(games_dir.glob("*.dead0001.parquet"))  # the dead attempt's files are gone
 
 
 def test_schedule_is_deterministic_and_rotates_seats(tmp_path):
     job = _job(tmp_path, **{"round.train_envs": [{"env_id": "TicTacToe-v0-train", "num_actors": 1}],
                             "round.opponents": {"strategy": "fixed", "fixed": ["random"]}})
-    cks = list_checkpoints(job.run.lake, "demo")
-    a = schedule_round(job, 3, cks[-1], cks)
-    b = schedule_round(job, 3, cks[-1], cks)
+    cks = list_checkpoints(Lake(job.run.lake), "demo")
+    a = schedule_round(job, Lake(job.run.lake), 3, cks[-1], cks)
+    b = schedule_round(job, Lake(job.run.lake), 3, cks[-1], cks)
     assert a == b
     train = [g for t in a for g in t.games if g.split == "train"]
     assert {next(s.pid for s in g.seats if s.is_learner) for g in train} == {0, 1}
     assert all(s.model_uid == RANDOM_UID for g in train for s in g.seats if not s.is_learner)
     assert len({g.seed for t in a for g in t.games}) == 10
-    assert schedule_round(job, 4, cks[-1], cks)[0].games[0].seed != a[0].games[0].seed
+    assert schedule_round(job, Lake(job.run.lake), 4, cks[-1], cks)[0].games[0].seed != a[0].games[0].seed
 
 
 def _random_task(tmp_path, n: int) -> TaskSpec:
-    seats = (Seat(0, RANDOM_UID, None, False), Seat(1, RANDOM_UID, None, False))
+    seats = (RandomAgent().seat(0), RandomAgent().seat(1))
     games = tuple(GameSpec(f"g{i}", "train", env, 1000 + i, f"g{i}", "qwen3-zs", seats)
                   for i, env in enumerate(["KuhnPoker-v0-train", "TicTacToe-v0-train", "ConnectFour-v0-train"] * n))
     return TaskSpec("task-0000", "r", 0, games)
@@ -90,9 +92,9 @@ def test_interleaved_games_are_reproducible(tmp_path, concurrency):
     job = _job(tmp_path)
     task = _random_task(tmp_path, 3)
     ref = tmp_path / "ref"
-    play_task(task, job.model, job.round.model_copy(update={"concurrency": 1}), str(ref))
+    play_task(task, job.model, job.round.model_copy(update={"concurrency": 1}), Lake(str(ref)))
     out = tmp_path / f"c{concurrency}"
-    play_task(task, job.model, job.round.model_copy(update={"concurrency": concurrency}), str(out))
+    play_task(task, job.model, job.round.model_copy(update={"concurrency": concurrency}), Lake(str(out)))
     cols = ["game_id", "turn", "observation", "action"]
     key = lambda t: t.select(cols).sort_by([("game_id", "ascending"), ("turn", "ascending")]).to_pylist()
     assert key(pq.read_table(ref / "turns")) == key(pq.read_table(out / "turns"))
@@ -102,24 +104,24 @@ def test_interleaved_games_are_reproducible(tmp_path, concurrency):
 def test_a_racing_driver_cannot_change_a_committed_round(tmp_path, local_client):
     job = _job(tmp_path)
     play_round(job, client=local_client)
-    before = lk.query(job.run.lake, "SELECT game_id, turn, completion FROM turns ORDER BY ALL").to_pylist()
-    cks = list_checkpoints(job.run.lake, "demo")
-    late = dataclasses.replace(schedule_round(job, 0, cks[-1], cks)[0], attempt="late0001")
-    play_task(late, job.model, job.round, job.run.lake)  # a second driver's task lands after the commit
-    assert lk.query(job.run.lake, "SELECT game_id, turn, completion FROM turns ORDER BY ALL").to_pylist() == before
+    before = Lake(job.run.lake).sql("SELECT game_id, turn, completion FROM turns ORDER BY ALL").to_pylist()
+    cks = list_checkpoints(Lake(job.run.lake), "demo")
+    late = dataclasses.replace(schedule_round(job, Lake(job.run.lake), 0, cks[-1], cks)[0], attempt="late0001")
+    play_task(late, job.model, job.round, Lake(job.run.lake))  # a second driver's task lands after the commit
+    assert Lake(job.run.lake).sql("SELECT game_id, turn, completion FROM turns ORDER BY ALL").to_pylist() == before
     with pytest.raises(FileExistsError):
-        lk.commit_round(job.run.lake, "demo", 0, {"attempt": "late0001"})
+        Lake(job.run.lake).commit_round("demo", 0, {"attempt": "late0001"})
 
 
 def test_sampled_task_replays_the_same_completions(tmp_path):
     """Temperature 1 sampling is seeded per task step: the same task plays the same games again."""
     job = _job(tmp_path, **{"model.temperature": 1.0})
-    cks = list_checkpoints(job.run.lake, "demo")
-    task = schedule_round(job, 0, cks[-1], cks)[0]
+    cks = list_checkpoints(Lake(job.run.lake), "demo")
+    task = schedule_round(job, Lake(job.run.lake), 0, cks[-1], cks)[0]
     cols = ["game_id", "turn", "completion", "action"]
     runs = []
     for name in ("a", "b"):
-        play_task(task, job.model, job.round, str(tmp_path / name))
+        play_task(task, job.model, job.round, Lake(str(tmp_path / name)))
         runs.append(pq.read_table(tmp_path / name / "turns").select(cols).sort_by([("game_id", "ascending"), ("turn", "ascending")]).to_pylist())
     assert runs[0] == runs[1] and len(runs[0]) > 0
 
@@ -129,9 +131,9 @@ def test_three_player_games_with_fixed_random_opponents(tmp_path):
     job = _job(tmp_path, **{"round.train_envs": [{"env_id": "Snake-v0-train", "num_players": 3, "num_actors": 1}],
                             "round.opponents": {"strategy": "fixed", "fixed": ["random"]},
                             "round.eval_games": 0, "round.error_allowance": 3})
-    cks = list_checkpoints(job.run.lake, "demo")
-    for task in schedule_round(job, 0, cks[-1], cks):
-        play_task(task, job.model, job.round, job.run.lake)
+    cks = list_checkpoints(Lake(job.run.lake), "demo")
+    for task in schedule_round(job, Lake(job.run.lake), 0, cks[-1], cks):
+        play_task(task, job.model, job.round, Lake(job.run.lake))
     games = pq.read_table(tmp_path / "lake" / "games").to_pylist()
     assert len(games) == 6
     for g in games:
@@ -147,8 +149,8 @@ def test_schedule_plays_each_train_start_state_group_size_times(tmp_path):
                             "round.train_envs": [{"env_id": "TicTacToe-v0-train", "num_actors": 1},
                                                  {"env_id": "KuhnPoker-v0-train", "num_actors": 1}],
                             "round.opponents": {"strategy": "fixed", "fixed": ["random", "base"]}})
-    cks = list_checkpoints(job.run.lake, "demo")
-    games = [g for t in schedule_round(job, 2, cks[-1], cks) for g in t.games]
+    cks = list_checkpoints(Lake(job.run.lake), "demo")
+    games = [g for t in schedule_round(job, Lake(job.run.lake), 2, cks[-1], cks) for g in t.games]
     train = [g for g in games if g.split == "train"]
     assert len(train) == 12 and len({g.game_id for g in games}) == 15
     groups = {}
@@ -163,7 +165,7 @@ def test_schedule_plays_each_train_start_state_group_size_times(tmp_path):
     assert [g.group_id for g in evals] == [f"demo-r0002-eval-g{i:05d}" for i in range(3)]  # one game each
     # group_size = 1 schedules exactly what the round scheduled before groups existed
     single = [g for t in schedule_round(job.model_copy(update={"round": job.round.model_copy(
-        update={"group_size": 1})}), 2, cks[-1], cks) for g in t.games]
+        update={"group_size": 1})}), Lake(job.run.lake), 2, cks[-1], cks) for g in t.games]
     assert [g.seed for g in single if g.split == "train"][:3] == [members[0].seed for members in groups.values()]
 
 
@@ -178,7 +180,7 @@ def test_round_plays_groups_with_exact_tokens(tmp_path, local_client):
                                                  {"env_id": "KuhnPoker-v0-train", "num_actors": 1}],
                             "round.opponents": {"strategy": "fixed", "fixed": ["random", "base"]}})
     play_round(job, client=local_client)
-    con = lk.connect(job.run.lake)
+    con = Lake(job.run.lake).connect()
     per_seat = con.sql("""SELECT group_id, pid, count(*), count(DISTINCT game_id), count(DISTINCT env_id),
                                  count(DISTINCT seed), count(DISTINCT model_uid), count(DISTINCT is_learner)
                           FROM seats WHERE split = 'train' GROUP BY ALL""").fetchall()

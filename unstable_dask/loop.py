@@ -12,7 +12,7 @@ from typing import Optional
 
 from rich.console import Console
 
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 
 from unstable_dask.rate import ratings
 
@@ -35,7 +35,7 @@ def _compact(job: Job, console: Console) -> None:
     """Merge the run's per-task files so reads stay one file per round and table. A loop killed
     before this only leaves more files for the next compaction, which takes the whole run."""
     from unstable_dask.lake.maintain import compact
-    merged = compact(job.run.lake, run=job.run.name)
+    merged = compact(job.run.lake, run_name=job.run.name)
     console.print(f"compacted run {job.run.name}: {sum(r for r, _ in merged.values())} files into "
                   f"{sum(a for _, a in merged.values())}", highlight=False)
 
@@ -57,7 +57,7 @@ def _track(job: Job, console: Console) -> None:
 def round_summary(job: Job, round_: int) -> list[str]:
     """What round `round_` says about learning: per split and opponent of the checkpoint that
     played it, win rate and invalid-move rate with their Wilson 95% intervals (the report's query)."""
-    con = lk.connect(job.run.lake)
+    con = Lake(job.run.lake).connect()
     try:
         rows = report.round_curves(con, job.run.name, round_)
     finally:
@@ -86,12 +86,13 @@ def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = 
         raise JobError(f"{job.source}: --rounds must be >= 1, got {rounds}")
     console = console or Console(stderr=True)
     check_quantization(job, resolve_device(job))  # before the first round, not at the first update
-    lake, run = job.run.lake, job.run.name
+    run = job.run.name
     results = []
     with open_client(job.cluster) as client:  # one cluster for the whole loop: engines stay resident
         while True:
-            last = lk.last_committed_round(lake, run)
-            if last is not None and plan(job) is not None:  # committed but not yet trained on
+            lake = Lake(job.run.lake)  # the lake as it is now: one snapshot for this step's decisions
+            last = lake.last_round(run)
+            if last is not None and plan(job, lake) is not None:  # committed but not yet trained on
                 res = learn(job, client=client)
                 console.print(str(res))
                 results.append(res)

@@ -5,3 +5,7 @@ Reads: Parquet files and the Delta logs under the lake root (a folder or s3://bu
 Writes: data files (workers), commits of rounds and learner iterations (drivers), the ratings
 tables, the duckdb shell catalog `lake.duckdb`.
 """
+
+from unstable_dask.lake.lake import Lake, Table
+
+__all__ = ["Lake", "Table"]

@@ -15,33 +15,35 @@ from typing import Optional, Union
 import duckdb
 
 from unstable_dask.lake import delta as dl
-from unstable_dask.lake import core as lk
 from unstable_dask.lake.catalog import DELTA_TABLES, VIEWS, with_partitions
+from unstable_dask.lake.lake import Lake
 
-Lake = Union[str, Path]
 DEFAULT_RETENTION_HOURS = 168.0  # a week: long enough for any learner batch still being reproduced
 
 
-def compact(lake: Lake, run: Optional[str] = None, target_mb: int = 128) -> dict[str, tuple[int, int]]:
-    """Merge the small files of `run` (every run when None) in every Delta table; returns
+def compact(lake: Union[str, Path, Lake], run_name: Optional[str] = None,
+            target_mb: int = 128) -> dict[str, tuple[int, int]]:
+    """Merge the small files of a run (every run when None) in every Delta table; returns
     {table: (files removed, files added)}. The duckdb shell's views are rewritten to the new files."""
+    lake = Lake(lake)
     out = {}
     for table in DELTA_TABLES:
-        m = dl.compact(lake, table, run, target_mb)
+        m = dl.compact(lake.root, table, run_name, target_mb)
         out[table] = (int(m["removed"]), int(m["added"]))
-    lk.refresh_catalog(lake)
+    lake.refresh().refresh_catalog()
     return out
 
 
-def vacuum(lake: Lake, retention_hours: float = DEFAULT_RETENTION_HOURS) -> list[str]:
+def vacuum(lake: Union[str, Path, Lake], retention_hours: float = DEFAULT_RETENTION_HOURS) -> list[str]:
     """Delete files that compaction replaced more than `retention_hours` ago; returns their paths,
     relative to the lake. Files no commit has named yet (a round being played) are never touched."""
     if retention_hours < 0:
         raise ValueError(f"vacuum: retention_hours must be >= 0, got {retention_hours}")
+    lake = Lake(lake)
     removed = []
     for table in DELTA_TABLES:
-        removed += [f"{table}/{p}" for p in dl.vacuum(lake, table, retention_hours)]
-    lk.refresh_catalog(lake)
+        removed += [f"{table}/{p}" for p in dl.vacuum(lake.root, table, retention_hours)]
+    lake.refresh().refresh_catalog()
     return sorted(removed)
 
 

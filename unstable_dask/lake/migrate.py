@@ -15,10 +15,12 @@ from typing import Union
 import duckdb
 import pyarrow.parquet as pq
 
+from unstable_dask.lake import commit
 from unstable_dask.lake import delta as dl
-from unstable_dask.lake import core as lk
-from unstable_dask.lake.maintain import checksum_sql, checksums
 from unstable_dask.lake.catalog import PARTITION, TABLES, VIEWS, data_tables
+from unstable_dask.lake.lake import Lake
+from unstable_dask.lake.maintain import checksum_sql, checksums
+from unstable_dask.lake.read import view_sql
 
 
 @dataclass
@@ -40,12 +42,12 @@ def pending(lake: Union[str, Path]) -> list[Pending]:
             if dl.claimed(lake, marker, dl.app_id(run, part_name, part)):
                 continue
             markers = [p for p in sorted(d.glob("*.parquet")) if not p.name.startswith(".")
-                       and lk.why_not_belongs(p, marker) is None]
+                       and commit.why_not_belongs(p, marker) is None]
             if not markers:
                 continue
             names = pq.read_schema(markers[0]).names
             attempt = pq.read_table(markers[0], columns=["attempt"]).column(0)[0].as_py() if "attempt" in names else None
-            files = {t: lk.partition_files(lake, t, run, part, attempt) for t in data_tables(marker)}
+            files = {t: commit.partition_files(str(lake), t, run, part, attempt) for t in data_tables(marker)}
             out.append(Pending(marker, run, part, markers[0], files))
     return out
 
@@ -53,13 +55,13 @@ def pending(lake: Union[str, Path]) -> list[Pending]:
 def _old_view(con: duckdb.DuckDBPyConnection, lake: Path, table: str, todo: list[Pending]) -> str:
     """What a reader shows of `table` once the pending commits are in (the old reader's files of
     them, plus what the log commits already: a migration cut short and run again), as a relation."""
-    files = [str(p) for p in lk.visible_files(lake, table)]
+    files = Lake(lake).table(table).files()
     if table in data_tables("rounds") + data_tables("checkpoints"):
         files += [str(lake.resolve() / table / r) for p in todo for r in p.files.get(table, [])]
     elif TABLES[table].rule == "marker":
         files += [str(p.marker_file.resolve()) for p in todo if p.marker == table]
     name = f"_old_{table}"
-    con.execute(f"CREATE VIEW {name} AS {lk.view_sql(table, files, True)}")
+    con.execute(f"CREATE VIEW {name} AS {view_sql(table, files, True)}")
     return name
 
 
@@ -67,10 +69,10 @@ def migrate(lake: Union[str, Path]) -> dict[str, tuple[int, int]]:
     """Commit every old-format round and iteration of `lake`; {table: (rows, checksum)}.
 
     Raises RuntimeError naming the table when rows or checksums differ after the migration."""
-    lake = Path(lake)
+    lake = Path(lake).resolve()
     for marker in ("rounds", "checkpoints"):  # a migration killed between a claim and its publish
         for run_dir in sorted((lake / marker).glob("run=*")):
-            lk.finish_commits(lake, marker, run_dir.name.split("=", 1)[1])
+            Lake(lake).finish_commits(marker, run_dir.name.split("=", 1)[1])
     todo = pending(lake)
     if not todo:
         return {}
@@ -78,8 +80,10 @@ def migrate(lake: Union[str, Path]) -> dict[str, tuple[int, int]]:
     before = {t: tuple(int(v) for v in old.execute(checksum_sql(t, _old_view(old, lake, t, todo))).fetchall()[0])
               for t in VIEWS}
     for p in sorted(todo, key=lambda p: (p.marker, p.run, p.part)):
-        lk.claim_and_publish(lake, p.marker, p.run, p.part, p.marker_file, p.files)
-    after = checksums(lk.connect(lake))
+        commit.claim_and_publish(str(lake), p.marker, p.run, p.part, p.marker_file, p.files)
+    done = Lake(lake)
+    done.refresh_catalog()
+    after = checksums(done.connect())
     for t in VIEWS:
         if before[t] != after[t]:
             raise RuntimeError(f"migrate: table {t!r} in lake {lake} changed: {before[t][0]} rows before, "

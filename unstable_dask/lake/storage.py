@@ -113,6 +113,15 @@ def read_ends(loc: Location, n: int) -> tuple[int, bytes, bytes]:
         return size, head, f.read(n)
 
 
+def is_whole_parquet(path: Location) -> bool:
+    """Cheap check for a complete Parquet file: magic bytes at both ends."""
+    try:
+        size, head, tail = read_ends(path, 4)
+        return size >= 12 and head == b"PAR1" and tail == b"PAR1"
+    except OSError:
+        return False
+
+
 def read_metadata(loc: Location) -> pq.FileMetaData:
     fs, path = resolve(loc)
     with fs.open_input_file(path) as f:

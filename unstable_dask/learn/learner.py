@@ -32,8 +32,9 @@ import duckdb
 import pyarrow as pa
 
 from unstable_dask.learn import algorithms
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 from unstable_dask.lake import storage as st
+from unstable_dask.lake.commit import now
 from unstable_dask.lake.catalog import LEARNER_STEPS
 from unstable_dask.config import Job
 from unstable_dask.errors import JobError
@@ -72,40 +73,37 @@ class LearnResult:
                 f"{last.get('tokens_per_s', 0):.0f} tok/s) -> {self.adapter_path}")
 
 
-def checkpoint_rows(lake: Union[str, Path], run: str) -> list[dict]:
-    if not lk.visible_files(lake, "checkpoints"):
-        return []
-    return sorted(lk.read_table(lake, "checkpoints", "run = ?", [run]).to_pylist(), key=lambda r: r["iteration"])
+def plan(job: Job, lake: Optional[Lake] = None) -> Optional[Plan]:
+    """What the next learn job trains: None when the newest committed round is already trained on.
 
-
-def plan(job: Job) -> Optional[Plan]:
-    """What the next learn job trains: None when the newest committed round is already trained on."""
-    lake, run = job.run.lake, job.run.name
-    lk.finish_commits(lake, "checkpoints", run)  # an iteration whose learner died mid-commit
-    rounds = window_rounds(lake, run, job.learn.window)
-    versions = lk.table_versions(lake)  # taken after the window: the snapshot holds every round of it
+    One snapshot of the lake answers everything (taken after finishing an iteration whose learner
+    died mid-commit); its versions are the plan's, so every batch of the iteration reads it."""
+    lake, run = lake or Lake(job.run.lake), job.run.name
+    lake.finish_commits("checkpoints", run)
+    rounds = window_rounds(lake.rounds(run), job.learn.window)
     if not rounds:
-        raise JobError(f"{job.source}: run '{run}' has no committed round in lake '{lake}'; play a round first")
-    ckpts = checkpoint_rows(lake, run)
+        raise JobError(f"{job.source}: run '{run}' has no committed round in lake '{lake.uri}'; play a round first")
+    ckpts = lake.table("checkpoints").rows(run, order_by="iteration")
     parent = ckpts[-1] if ckpts else None
     if parent is not None and max(parent["rounds_trained"] or [-1]) >= rounds[-1]:
         return None
     k = (parent["iteration"] if parent else 0) + 1
-    adapter = st.join(lake, parent["adapter_path"]) if parent and parent["adapter_path"] else None
+    adapter = lake.location(parent["adapter_path"]) if parent and parent["adapter_path"] else None
+    versions = {t: v for t, v in lake.versions.items() if v is not None}
     return Plan(run, k, f"ckpt-{k}", parent["uid"] if parent else "base", adapter, rounds, versions)
 
 
 def recorded_plan(job: Job, at: str) -> Plan:
     """The plan of an iteration already trained (`at`: its checkpoint uid or iteration number),
     from its learner_steps rows: rounds, batch seeds and the table versions it read."""
-    lake, run = job.run.lake, job.run.name
+    lake, run = Lake(job.run.lake), job.run.name
     key = "iteration = ?" if at.isdigit() else "checkpoint_uid = ?"
-    rows = lk.read_table(lake, "learner_steps", f"run = ? AND {key}", [run, int(at) if at.isdigit() else at]).to_pylist()
+    rows = lake.table("learner_steps").read(f"run = ? AND {key}", [run, int(at) if at.isdigit() else at]).to_pylist()
     if not rows:
-        raise JobError(f"--at-version {at!r}: run '{run}' in lake '{lake}' has no learner iteration with that "
+        raise JobError(f"--at-version {at!r}: run '{run}' in lake '{lake.uri}' has no learner iteration with that "
                        "checkpoint uid or number (see: run sql \"SELECT iteration, uid FROM checkpoints\")")
     if any(r["table_versions"] is None for r in rows):
-        raise JobError(f"--at-version {at!r}: learner_steps of {rows[0]['checkpoint_uid']} in lake '{lake}' record "
+        raise JobError(f"--at-version {at!r}: learner_steps of {rows[0]['checkpoint_uid']} in lake '{lake.uri}' record "
                        "no table versions (trained before the lake kept them); its batch cannot be pinned")
     first = min(rows, key=lambda r: r["update"])
     return Plan(run, first["iteration"], first["checkpoint_uid"], "", None, list(first["rounds"]),
@@ -181,13 +179,15 @@ def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None,
     """
     if at_version is not None and not (show_sql or preview):
         raise JobError(f"--at-version {at_version!r} shows a batch already trained on: use it with --preview or --show-sql")
-    p = plan(job) if at_version is None else recorded_plan(job, at_version)
+    lake = Lake(job.run.lake)
+    p = plan(job, lake) if at_version is None else recorded_plan(job, at_version)
     if p is None:
-        ck = checkpoint_rows(job.run.lake, job.run.name)[-1]
+        ck = lake.table("checkpoints").rows(job.run.name, order_by="iteration")[-1]
         if show_sql or preview:
             raise JobError(f"{job.source}: {ck['uid']} already trained on the newest round; nothing to show")
         return LearnResult(job.run.name, ck["iteration"], ck["uid"], ck["adapter_path"], ck["rounds_trained"], skipped=True)
-    con = lk.connect(job.run.lake, versions=p.versions)
+    lake = lake.at(p.versions) if at_version is not None else lake  # the plan's snapshot either way
+    con = lake.connect()
     try:
         sql = build_query(job, p, update, con)
         if show_sql:
@@ -204,17 +204,17 @@ def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None,
     from unstable_dask.cluster.client import task_resources
     if device == "cuda" and task_resources(job.cluster, client):
         def submit(c):  # the GPU lives on a worker: run there, beside that worker's resident engine
-            return c.submit(_train, job, p, device, resources={"GPU": 1}, pure=False,
+            return c.submit(_train, job, lake, p, device, resources={"GPU": 1}, pure=False,
                             key=f"learn-{p.run}-{p.uid}-{time.time_ns()}").result()
         if client is not None:
             return submit(client)
         from unstable_dask.cluster.client import open_client
         with open_client(job.cluster) as own:
             return submit(own)
-    return _train(job, p, device)
+    return _train(job, lake, p, device)
 
 
-def _train(job: Job, p: Plan, device: str) -> LearnResult:
+def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
     import torch
 
     from unstable_dask.learn.trainer import Trainer
@@ -232,7 +232,7 @@ def _train(job: Job, p: Plan, device: str) -> LearnResult:
         trainer = Trainer(job, st.local_dir(p.parent_adapter) if p.parent_adapter else None, torch.device(device))
         steps = []
         for u in range(job.learn.updates_per_round):
-            con = lk.connect(job.run.lake, versions=p.versions)
+            con = lake.connect()
             try:
                 sql = build_query(job, p, u, con)
                 batch = run_batch_query(con, sql)
@@ -243,14 +243,14 @@ def _train(job: Job, p: Plan, device: str) -> LearnResult:
                                "(learn.window, or games without learner seats)")
             m = trainer.update(batch)
             m.update(update=u, algorithm=job.learn.algorithm, checkpoint_uid=p.uid, batch_seed=batch_seed(job, p.iteration, u),
-                     rounds=p.rounds, device=device, created_at=lk.now(),
+                     rounds=p.rounds, device=device, created_at=now(),
                      table_versions=json.dumps(p.versions, sort_keys=True), **_cuda_memory(device))
             steps.append(m)
         # Attempt-named, like round files: a learner racing on the same iteration can never
         # replace the adapter or steps of the attempt that committed it.
         attempt = uuid.uuid4().hex[:8]
-        rel = f"adapters/{p.run}/{p.uid}.{attempt}"
-        _save_atomic(trainer, st.join(job.run.lake, rel))
+        rel = Lake.adapter_rel(p.run, p.uid, attempt)
+        _save_atomic(trainer, lake.location(rel))
     finally:
         t = time.perf_counter()
         for e in engines:
@@ -261,18 +261,17 @@ def _train(job: Job, p: Plan, device: str) -> LearnResult:
     if unknown:  # a metric must have its column (lake/catalog.py), or it would be dropped unseen
         raise RuntimeError(f"{job.learn.algorithm}'s update returned metrics that are not learner_steps columns: {unknown}")
     rows = [{k: s.get(k, swap.get(k)) for k in LEARNER_STEPS.names} for s in steps]
-    lk.write_table(job.run.lake, "learner_steps", p.run, p.iteration, f"steps.{attempt}",
-                   pa.Table.from_pylist(rows, schema=LEARNER_STEPS))
+    lake.write("learner_steps", p.run, p.iteration, f"steps.{attempt}", pa.Table.from_pylist(rows, schema=LEARNER_STEPS))
     try:
-        lk.write_table(job.run.lake, "checkpoints", p.run, p.iteration, "checkpoint", [dict(
+        lake.commit("checkpoints", p.run, p.iteration, "checkpoint", dict(
             attempt=attempt, uid=p.uid, parent_uid=p.parent_uid, adapter_path=rel, base_model=job.model.base,
-            rounds_trained=p.rounds, algorithm=job.learn.algorithm, created_at=lk.now())], exclusive=True)
+            rounds_trained=p.rounds, algorithm=job.learn.algorithm, created_at=now()))
     except FileExistsError:
-        st.delete(st.join(job.run.lake, rel))
+        st.delete(lake.location(rel))
         raise JobError(f"{p.uid} of run '{p.run}' was committed by another learner while this one trained; "
                        "nothing of this attempt is visible") from None
-    lk.remove_other_attempts(job.run.lake, "checkpoints", p.run, p.iteration, attempt)
-    for stale in st.list_dir(st.join(job.run.lake, "adapters", p.run)):  # killed attempts' adapters
+    lake.remove_other_attempts("checkpoints", p.run, p.iteration, attempt)
+    for stale in st.list_dir(lake.adapters_dir(p.run)):  # killed attempts' adapters
         if st.name(stale).startswith(f"{p.uid}.") and st.name(stale) != f"{p.uid}.{attempt}" and st.is_dir(stale):
             st.delete(stale)
     return LearnResult(p.run, p.iteration, p.uid, rel, p.rounds, steps)

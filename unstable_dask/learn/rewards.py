@@ -39,7 +39,7 @@ import duckdb
 import pyarrow as pa
 
 from unstable_dask.errors import JobError
-from unstable_dask.lake.core import check_select_only
+from unstable_dask.lake.read import check_select_only
 
 STAGES = ("final", "step", "sampling")
 _STAGE_REL = {"final": "final", "step": "steps", "sampling": "batch"}
@@ -341,10 +341,9 @@ def transform_values(sampling: Sequence[Transform], batch, values: Sequence[floa
     return [r[0] for r in out]
 
 
-def window_rounds(lake, run: str, window: Union[str, int], upto: Optional[int] = None) -> list[int]:
-    """Committed rounds of `run` that a learner samples from: latest, all, or the last k."""
-    from unstable_dask.lake.core import committed_rounds
-    rounds = sorted(r for _, r in committed_rounds(lake, run) if upto is None or r <= upto)
+def window_rounds(committed: Sequence[int], window: Union[str, int]) -> list[int]:
+    """The committed rounds a learner samples from: latest, all, or the last k."""
+    rounds = sorted(committed)
     if not rounds:
         return []
     if window == "latest":

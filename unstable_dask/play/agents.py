@@ -53,3 +53,7 @@ def legal_moves(env_id: str, obs: str) -> list[str]:
 def random_move(env_id: str, obs: str, rng: random.Random) -> Optional[str]:
     moves = legal_moves(env_id, obs)
     return rng.choice(moves) if moves else None
+
+
+# The agents a seat can be played by (opponents.py: Seat.plays == "agent", Seat.source = the name).
+AGENTS: dict[str, Callable[[str, str, random.Random], Optional[str]]] = {"random": random_move}

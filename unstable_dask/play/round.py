@@ -21,14 +21,16 @@ from distributed import Client, as_completed, get_worker
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
+from unstable_dask.lake.commit import now
 from unstable_dask.cluster.client import open_client, task_resources
 from unstable_dask.config import Job
 from unstable_dask.errors import JobError
 from unstable_dask.inference.endpoints import require_keys
 from unstable_dask.inference.weights import resolve_model
 from unstable_dask.play.task import play_task
-from unstable_dask.play.schedule import Checkpoint, check_envs, list_checkpoints, schedule_round
+from unstable_dask.play.opponents import Checkpoint, list_checkpoints
+from unstable_dask.play.schedule import check_envs, schedule_round
 
 PROGRESS_TOPIC = "unstable_dask.progress"
 
@@ -60,10 +62,6 @@ def _in_job(job: Job):
         raise JobError(msg if msg.startswith(job.source) else f"{job.source}: {msg}") from None
 
 
-def newest_checkpoint(lake: str, run: str) -> Checkpoint:
-    return list_checkpoints(lake, run)[-1]
-
-
 def _play_on_worker(task, model_cfg, round_cfg, lake, endpoints):
     """The Dask task: play, and stream progress to the driver as worker events (throttled)."""
     worker = get_worker()
@@ -82,48 +80,47 @@ def _play_on_worker(task, model_cfg, round_cfg, lake, endpoints):
 def play_round(job: Job, client: Optional[Client] = None, console: Optional[Console] = None) -> RoundSummary:
     """Play and commit the next round of `job.run.name`; the Python twin of `run round`."""
     console = console or Console(stderr=True)
-    lake, run = job.run.lake, job.run.name
+    lake, run = Lake(job.run.lake), job.run.name
     check_envs(job)
     with _in_job(job):
         resolve_model(job.model.base)  # a missing model fails here, not on every worker; builds builtins once
-    lk.finish_commits(lake, "rounds", run)  # a round whose driver died mid-commit
-    last = lk.last_committed_round(lake, run)
+    lake.finish_commits("rounds", run)  # a round whose driver died mid-commit
+    last = lake.last_round(run)
     round_ = 0 if last is None else last + 1
     checkpoints = list_checkpoints(lake, run)
     current = checkpoints[-1]
     # Each attempt writes files of its own; only the attempt named by the commit marker is ever
     # visible, so a concurrent or killed driver can never change a committed round.
     attempt = uuid.uuid4().hex[:8]
-    tasks = [dataclasses.replace(t, attempt=attempt) for t in schedule_round(job, round_, current, checkpoints)]
-    require_keys(job, {s.endpoint for t in tasks for g in t.games for s in g.seats if s.endpoint})
-    started = lk.now()
+    tasks = [dataclasses.replace(t, attempt=attempt) for t in schedule_round(job, lake, round_, current, checkpoints)]
+    require_keys(job, {s.source for t in tasks for g in t.games for s in g.seats if s.plays == "endpoint"})
+    started = now()
     t0 = time.perf_counter()
     n_games = sum(len(t.games) for t in tasks)
     with contextlib.ExitStack() as stack:
         if client is None:
             with _in_job(job):
                 client = stack.enter_context(open_client(job.cluster))
-        results = _run_tasks(client, job, tasks, n_games, round_, current, console)
+        results = _run_tasks(client, job, lake, tasks, n_games, round_, current, console)
     wall = time.perf_counter() - t0
     summary = RoundSummary(run, round_, current.uid, sum(r["games"] for r in results),
                            sum(r["turns"] for r in results), sum(r["completion_tokens"] for r in results),
-                           wall, results, str(lake))
+                           wall, results, lake.uri)
     try:
-        lk.commit_round(lake, run, round_, dict(
+        lake.commit_round(run, round_, dict(
             attempt=attempt, checkpoint_uid=current.uid, games=summary.games, turns=summary.turns, tasks=len(tasks),
             completion_tokens=summary.completion_tokens, temperature=job.model.temperature, top_p=job.model.top_p,
             max_new_tokens=job.model.max_new_tokens, job_fingerprint=job.fingerprint(),
-            job=json.dumps(job.model_dump(mode="json"), sort_keys=True), started_at=started, committed_at=lk.now()))
+            job=json.dumps(job.model_dump(mode="json"), sort_keys=True), started_at=started, committed_at=now()))
     except FileExistsError:
         raise JobError(f"round {round_} of run {run!r} was committed by another driver while this one played; "
                        f"nothing of this attempt is visible; run the command again for round {round_ + 1}") from None
-    lk.remove_other_attempts(lake, "rounds", run, round_, attempt)
+    lake.remove_other_attempts("rounds", run, round_, attempt)
     return summary
 
 
-def _run_tasks(client: Client, job: Job, tasks, n_games: int, round_: int, current: Checkpoint,
+def _run_tasks(client: Client, job: Job, lake: Lake, tasks, n_games: int, round_: int, current: Checkpoint,
                console: Console) -> list[dict]:
-    lake = str(job.run.lake)
     lock = threading.Lock()
     counts = {"games": 0, "tokens": 0}
     t0 = time.perf_counter()
@@ -162,9 +159,9 @@ def _run_tasks(client: Client, job: Job, tasks, n_games: int, round_: int, curre
     return results
 
 
-def round_stats(lake: str, run: str, round_: int) -> list[dict]:
+def round_stats(lake: Lake, run: str, round_: int) -> list[dict]:
     """Per model and split: games, W/D/L, format success, invalid-move rate (from the lake)."""
-    return lk.query(lake, """
+    return lake.sql("""
         WITH s AS (
             SELECT split, model_uid, game_id, reward,
                    max(reward) OVER (PARTITION BY game_id) AS best,

@@ -21,9 +21,10 @@ from typing import Any, Optional
 import textarena as ta
 
 from unstable_dask.inference import endpoints as endpoints_mod
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 from unstable_dask.lake import storage as st
-from unstable_dask.play.agents import random_move
+from unstable_dask.lake.commit import now
+from unstable_dask.play.agents import AGENTS
 from unstable_dask.config import EndpointConfig, ModelConfig, RoundConfig
 from unstable_dask.play.schedule import GameSpec, TaskSpec
 from unstable_dask.play.prompts import extract_action, render_prompt
@@ -73,7 +74,7 @@ def _start(spec: GameSpec, cfg: RoundConfig) -> _Game:
     _state(env).error_allowance = cfg.error_allowance
     # The random agent draws per game (not per seed): in a group it is an opponent that samples
     # independently, like a model opponent, while the env's start state is the group's.
-    return _Game(spec, env, rng_state, random.Random(spec.game_id), lk.now())
+    return _Game(spec, env, rng_state, random.Random(spec.game_id), now())
 
 
 def _seat_row(seat, reward, info) -> dict:
@@ -90,7 +91,7 @@ def _finish(g: _Game, worker: str, task: str, capped: bool) -> dict:
         rewards, infos = g.call(g.env.close)
     return dict(game_id=g.spec.game_id, split=g.spec.split, env_id=g.spec.env_id, seed=g.spec.seed,
                 group_id=g.spec.group_id, num_players=len(g.spec.seats), num_turns=len(g.turns),
-                started_at=g.started_at, finished_at=lk.now(), worker=worker, task=task,
+                started_at=g.started_at, finished_at=now(), worker=worker, task=task,
                 seats=[_seat_row(s, rewards.get(s.pid, 0.0), infos.get(s.pid, {})) for s in g.spec.seats])
 
 
@@ -106,7 +107,7 @@ def _step(g: _Game, pid: int, action: str, row: dict) -> bool:
     return done
 
 
-def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, lake: str,
+def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, lake: Lake,
               progress: Optional[Any] = None, endpoints: Optional[dict[str, EndpointConfig]] = None) -> dict:
     """Play every game of `task`, write its games/turns files, return counters for the driver.
 
@@ -117,7 +118,7 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
     register_envs()
     worker = f"{socket.gethostname()}:{os.getpid()}"
     engine = None
-    if any(not s.is_random and s.endpoint is None for g in task.games for s in g.seats):
+    if any(s.plays == "engine" for g in task.games for s in g.seats):
         from unstable_dask.inference.engine import get_engine
         engine = get_engine(model_cfg)
     pending = list(task.games)
@@ -145,21 +146,21 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
             base_row = dict(game_id=g.spec.game_id, pid=pid, model_uid=seat.model_uid, is_learner=seat.is_learner,
                             split=g.spec.split, env_id=g.spec.env_id, seed=g.spec.seed, group_id=g.spec.group_id,
                             observation=obs)
-            if seat.is_random:
-                move = random_move(g.spec.env_id, obs, g.agent_rng) or "[pass]"
+            if seat.plays == "agent":
+                move = AGENTS[seat.source or ""](g.spec.env_id, obs, g.agent_rng) or "[pass]"
                 base_row.update(prompt=None, completion=None, format_ok=None, prompt_tokens=0,
                                 completion_tokens=0, completion_token_ids=None, truncated=False, logprobs=None,
                                 latency_s=0.0)
                 advance(g, pid, move, base_row)
                 continue
-            if seat.endpoint is not None:
+            if seat.plays == "endpoint":
                 # The endpoint applies its own chat template: the prompt is the user message of the
                 # `chat` template, sent and stored as is.
                 prompt = render_prompt("chat", obs, lambda text: text)
-                remote[seat.endpoint].append((g, pid, prompt, seat.model_uid, base_row))
+                remote[seat.source or ""].append((g, pid, prompt, seat.model_uid, base_row))
                 continue
             prompt = render_prompt(g.spec.template, obs, engine.chat_prompt)
-            requests[seat.adapter].append((g, pid, prompt, seat.model_uid, base_row))
+            requests[seat.source].append((g, pid, prompt, seat.model_uid, base_row))
         # Sent before the local generate calls, so the endpoints work while the engine does.
         calls = [(reqs, endpoints_mod.submit(name, endpoints[name], [r[2] for r in reqs], model_cfg))
                  for name, reqs in remote.items()]
@@ -203,7 +204,7 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
         if progress is not None:
             progress(len(finished), tokens)
 
-    lk.write_table(lake, "turns", task.run, task.round, task.file_key, turns_out)
-    lk.write_table(lake, "games", task.run, task.round, task.file_key, games_out)
+    lake.write("turns", task.run, task.round, task.file_key, turns_out)
+    lake.write("games", task.run, task.round, task.file_key, games_out)
     return dict(task=task.key, games=len(games_out), turns=len(turns_out), completion_tokens=tokens,
                 generate_s=gen_time, wall_s=time.perf_counter() - t0, worker=worker)

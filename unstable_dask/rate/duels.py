@@ -10,15 +10,12 @@ extreme that float64 cannot represent it) that game is rated with the mpmath bac
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, TypeVar
+from typing import Optional
 
 import trueskill
 
 from unstable_dask.config import RatingsConfig
-
-from unstable_dask.errors import JobError
-
-T = TypeVar("T")
+from unstable_dask.skill import inherited, make_env
 
 FAST, SOLO, MIRROR, MULTI = 0, 1, 2, 3  # duel kinds
 _SQRT2 = math.sqrt(2.0)
@@ -88,36 +85,11 @@ def replay_duels(start: int, end: int, da: list, db: list, dout: list, dkind: li
     return end
 
 
-def inherited(model: T, parent_of: Callable[[T], Optional[T]], rated: Callable[[T], Optional[tuple[float, float]]],
-              mu0: float, sigma0: float, k: float) -> tuple[float, float]:
-    """The rating a model enters a track with: its nearest rated ancestor's mu, with that
-    ancestor's sigma * k capped at sigma0; (mu0, sigma0) when no ancestor is rated.
-
-    The one definition of a new checkpoint's prior: the rate job applies it at a model's first
-    game, the scheduler to a checkpoint that has not played yet (match-quality opponents).
-    """
-    p, seen = parent_of(model), {model}
-    while p is not None:
-        if p in seen:
-            raise JobError(f"checkpoints table: the lineage of {model!r} loops back on itself")
-        r = rated(p)
-        if r is not None:
-            return r[0], min(r[1] * k, sigma0)
-        seen.add(p)
-        p = parent_of(p)
-    return mu0, sigma0
-
-
 def enter_track(s: int, mu: list, sg: list, seen: list, parent: list, mu0: float, sigma0: float, k: float) -> None:
     """First game of slot s in its track (parent[s] = -1: none)."""
     mu[s], sg[s] = inherited(s, lambda x: parent[x] if parent[x] >= 0 else None,
                              lambda x: (mu[x], sg[x]) if seen[x] else None, mu0, sigma0, k)
     seen[s] = True
-
-
-def make_env(cfg: RatingsConfig, backend: Optional[str] = None) -> trueskill.TrueSkill:
-    return trueskill.TrueSkill(mu=cfg.mu, sigma=cfg.sigma, beta=cfg.beta, tau=cfg.tau,
-                               draw_probability=cfg.draw_probability, backend=backend)
 
 
 def package_rate(cfg: RatingsConfig, ratings: list[tuple[float, float]], ranks: list[int]) -> list[tuple[float, float]]:

@@ -35,16 +35,12 @@ import numpy as np
 import pyarrow as pa
 import trueskill
 
+from unstable_dask.lake import Lake, catalog, storage
 from unstable_dask.rate import bradley_terry
-
-from unstable_dask.lake import catalog
-
-from unstable_dask.lake import core as lake
-
-from unstable_dask.lake import storage
 from unstable_dask.config import Job, RatingsConfig
 from unstable_dask.errors import JobError
-from unstable_dask.rate.duels import FAST, MIRROR, MULTI, SOLO, dense_ranks, enter_track, make_env, package_rate, replay_duels
+from unstable_dask.rate.duels import FAST, MIRROR, MULTI, SOLO, dense_ranks, enter_track, package_rate, replay_duels
+from unstable_dask.skill import make_env
 
 OVERALL = "*"
 
@@ -116,15 +112,11 @@ def _fingerprint(cfg: RatingsConfig, models: list[str], parent_of: dict[str, str
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _state_path(lake_dir: lake.Lake, run: str) -> str:
-    return storage.join(lake.table_dir(lake_dir, "ratings_state", run), "state.parquet")
-
-
-def _load_state(lake_dir: lake.Lake, run: str, cfg: RatingsConfig, parent_of: dict[str, str],
+def _load_state(lake: Lake, run: str, cfg: RatingsConfig, parent_of: dict[str, str],
                 committed: list[int]) -> Optional[tuple[pa.Table, list[int]]]:
     """The saved state, if it may be extended by the rounds committed since; else None."""
-    path = _state_path(lake_dir, run)
-    if not lake.is_whole_parquet(path):
+    path = lake.file("ratings_state", run, None, "state")
+    if not storage.is_whole_parquet(path):
         return None
     table = storage.read_table(path)
     meta = json.loads(table.schema.metadata[b"unstable_dask"])
@@ -336,12 +328,12 @@ def rate(job: Job, full: bool = False) -> RatingsResult:
     `full=True` ignores the saved replay state (the result is the same, only slower).
     """
     t0 = time.perf_counter()
-    cfg, run, lake_dir = job.ratings, job.run.name, job.run.lake
-    committed = sorted(r for _, r in lake.committed_rounds(lake_dir, run))
-    con = lake.connect(lake_dir)
+    cfg, run, lake = job.ratings, job.run.name, Lake(job.run.lake)
+    committed = lake.rounds(run)  # one snapshot for the rounds and every game read below
+    con = lake.connect()
     try:
         parent_of = _lineage(con, run)
-        saved = None if full else _load_state(lake_dir, run, cfg, parent_of, committed)
+        saved = None if full else _load_state(lake, run, cfg, parent_of, committed)
         done = saved[1] if saved else []
         games = _read_games(con, run, cfg.include_eval, max(done, default=-1))
     finally:
@@ -357,20 +349,20 @@ def rate(job: Job, full: bool = False) -> RatingsResult:
     todo = [r for r in committed if r not in set(done)]
     snaps = _replay(st, cfg, duels, rounds, todo)
 
-    history_path = storage.join(lake.table_dir(lake_dir, "rating_history", run), "rating_history.parquet")
-    if done and lake.is_whole_parquet(history_path):
+    history_path = lake.file("rating_history", run, None, "rating_history")
+    if done and storage.is_whole_parquet(history_path):
         prev = storage.read_table(history_path).cast(SCHEMAS["rating_history"])
         snaps.insert(0, prev.filter(pa.compute.is_in(prev.column("round"), pa.array(done, pa.int64()))))
     history = _sorted(pa.concat_tables(snaps) if snaps else SCHEMAS["rating_history"].empty_table(),
                       [("round", "ascending"), ("env_id", "ascending"), ("model_uid", "ascending")])
     state = _state_table(st)
     ratings, head = _outputs(state, cfg, job.run.seed)
-    paths = [lake.write_table(lake_dir, name, run, None, name, table)
+    paths = [lake.write(name, run, None, name, table)
              for name, table in (("ratings", ratings), ("rating_history", history), ("head_to_head", head))]
     saved_models = sorted(set(state.column("model_uid").to_pylist()) | set(state.column("model_b").drop_null().to_pylist()))
     meta = {"rounds": committed, "fingerprint": _fingerprint(cfg, saved_models, parent_of)}
     state = state.replace_schema_metadata({"unstable_dask": json.dumps(meta)})
-    paths.append(lake.write_table(lake_dir, "ratings_state", run, None, "state", state))  # last: the commit point
+    paths.append(lake.write("ratings_state", run, None, "state", state))  # last: the commit point
     kinds = np.array(duels["dkind"][::2], dtype=np.int64)
     return RatingsResult(run=run, ratings=ratings, rating_history=history, head_to_head=head,
                          games_rated=int(np.isin(kinds, (FAST, SOLO, MULTI)).sum()),

@@ -22,7 +22,7 @@ from markupsafe import Markup
 
 from unstable_dask.report import arena
 
-from unstable_dask.lake import core as lake
+from unstable_dask.lake import Lake
 from unstable_dask.config import Job
 
 HERE = Path(__file__).resolve().parent
@@ -188,9 +188,9 @@ def _table_exists(con, name: str) -> bool:
     return bool(con.sql("SELECT count(*) FROM duckdb_views() WHERE view_name = ?", params=[name]).fetchall()[0][0])
 
 
-def gather(lake_dir: lake.Lake, run: str) -> dict[str, Any]:
+def gather(lake: Lake, run: str) -> dict[str, Any]:
     """Everything the run page shows, as plain Python values."""
-    con = lake.connect(lake_dir)
+    con = lake.connect()
     try:
         boards, arena_views = arena.views(con, run)  # ratings rows + Arena columns, per env
         history = _rows(con, "SELECT * EXCLUDE (run) FROM rating_history WHERE run = ? ORDER BY round, model_uid", [run])
@@ -341,19 +341,19 @@ def _write(path: Path, text: str) -> None:
 
 def report(job: Job) -> Path:
     """Write reports/<run>/index.html for job.run.name and refresh reports/index.html; return the page."""
-    lake_dir, root, run = job.run.lake, Path(job.run.reports), job.run.name
+    lake, root, run = Lake(job.run.lake), Path(job.run.reports), job.run.name
     env = _env()
     page = root / run / "index.html"
-    _write(page, env.get_template("run.html.j2").render(**gather(lake_dir, run)))
+    _write(page, env.get_template("run.html.j2").render(**gather(lake, run)))
     runs = []
     for d in sorted(p.parent for p in root.glob("*/index.html")):
-        runs.append({"name": d.name, "href": f"{d.name}/index.html", **_summary(lake_dir, d.name)})
+        runs.append({"name": d.name, "href": f"{d.name}/index.html", **_summary(lake, d.name)})
     _write(root / "index.html", env.get_template("index.html.j2").render(runs=runs))
     return page
 
 
-def _summary(lake_dir: lake.Lake, run: str) -> dict[str, Any]:
-    con = lake.connect(lake_dir)
+def _summary(lake: Lake, run: str) -> dict[str, Any]:
+    con = lake.connect()
     try:
         rounds, games = con.sql("SELECT count(DISTINCT round), coalesce(sum(games), 0) FROM rounds WHERE run = ?",
                                 params=[run]).fetchall()[0]

@@ -32,9 +32,9 @@ import struct
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional
 
-from unstable_dask.lake import core as lk
+from unstable_dask.lake import Lake
 
 from unstable_dask.report import report
 from unstable_dask.config import Job
@@ -58,9 +58,9 @@ def _clean(row: dict) -> dict:
             and math.isfinite(v)}
 
 
-def lake_series(lake_dir: Union[str, Path], run: str) -> dict[str, list[dict]]:
+def lake_series(lake: Lake, run: str) -> dict[str, list[dict]]:
     """The rows a tracker mirrors, per series, in step order; each row holds its step key."""
-    con = lk.connect(lake_dir)
+    con = lake.connect()
     try:
         def rows(sql: str) -> list[dict]:
             return con.sql(sql, params=[run]).to_arrow_table().to_pylist()
@@ -210,7 +210,7 @@ TRACKERS = {"wandb": _Wandb, "mlflow": _Mlflow}
 
 def sync(job: Job, trackers: Optional[list[str]] = None) -> dict[str, int]:
     """Log to each tracker (default: job.run.trackers) the lake rows it does not hold yet; rows logged, per tracker."""
-    series = lake_series(job.run.lake, job.run.name)
+    series = lake_series(Lake(job.run.lake), job.run.name)
     out = {}
     for name in trackers if trackers is not None else job.run.trackers:
         tracker = TRACKERS[name](job)

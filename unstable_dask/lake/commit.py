@@ -1,0 +1,181 @@
+"""The commit protocol: how files written by workers become a committed round or learner iteration.
+
+A commit of a partition (a round, a learner iteration) takes three Delta commits, each keyed by
+the application id `<run>/<partition>=<n>`:
+  1. claim: the marker table (rounds / checkpoints) records the app id, with the path of the
+     marker file (the row, naming every data file) in the commit's metadata. A second claim of
+     the same app id is refused or conflicts: a partition is committed once.
+  2. apply: each data table adds the named files, once (the same app id in its own log).
+  3. publish: the marker table adds the marker file. Readers see a partition only from here on.
+A driver killed between 1 and 3 leaves a claim that `finish_commits` completes from the log.
+
+Functions here take the lake's root location; `Lake` (lake.py) is what jobs call.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timezone
+from typing import Optional, Union
+
+import pyarrow as pa
+
+from unstable_dask.lake import delta as dl
+from unstable_dask.lake import storage as st
+from unstable_dask.lake.catalog import PARTITION, SCHEMAS, TABLES, data_tables
+
+log = logging.getLogger("unstable_dask.lake")
+
+
+def now() -> datetime:
+    """The lake's clock: timestamps of rows and commits (UTC)."""
+    return datetime.now(timezone.utc)
+
+
+def partition_dir(root: str, table: str, run_name: str, part: Optional[int] = None) -> str:
+    """`<root>/<table>/run=<run>[/<round|iteration>=<n>]`: the one rule for where a table's files live."""
+    parts = [table, f"run={run_name}"] + ([f"{PARTITION[table]}={part}"] if part is not None else [])
+    return st.join(root, *parts)
+
+
+def as_table(table: str, data: Union[pa.Table, list[dict]]) -> pa.Table:
+    """Rows or an Arrow table in the catalog's schema of `table` (columns selected and cast)."""
+    schema = SCHEMAS.get(table)
+    if isinstance(data, list):
+        return pa.Table.from_pylist(data, schema=schema) if schema is not None else pa.Table.from_pylist(data)
+    if schema is None:
+        return data
+    # cast() takes the catalog schema's (empty) metadata: keep the caller's table-level metadata
+    # (ratings_state records the rounds and parameters of its replay there).
+    return data.select(schema.names).cast(schema).replace_schema_metadata(data.schema.metadata)
+
+
+def file_location(root: str, table: str, run_name: str, part: Optional[int], key: str) -> str:
+    """The location of one file of a table: `<partition dir>/<key>.parquet`."""
+    return st.join(partition_dir(root, table, run_name, part), f"{key}.parquet")
+
+
+def write_file(root: str, table: str, run_name: str, part: Optional[int], key: str, data: pa.Table) -> str:
+    """Write one Parquet file of a partition; no reader sees it half written (storage.write_parquet)."""
+    final = file_location(root, table, run_name, part, key)
+    st.write_parquet(final, data)
+    return final
+
+
+def why_not_belongs(path: st.Location, table: str) -> Optional[str]:
+    """None if the file fits the table (whole, key columns with their types), else why not."""
+    if not st.is_whole_parquet(path):
+        return "not a whole Parquet file (torn write?)"
+    try:
+        schema = st.read_schema(path)
+    except Exception as e:  # noqa: BLE001 - any unreadable footer is a foreign file
+        return f"unreadable footer ({e})"
+    want = TABLES[table].schema
+    for k in TABLES[table].keys:
+        if k not in schema.names:
+            return f"has no column {k!r}: not a {table} file"
+        if not schema.field(k).type.equals(want.field(k).type):
+            return f"column {k!r} is {schema.field(k).type}, expected {want.field(k).type}"
+    return None
+
+
+def attempt_of(path: st.Location) -> Optional[str]:
+    """The attempt id in a file's name (`task-0003.<attempt>.parquet`), if any."""
+    parts = st.name(path).split(".")
+    return parts[1] if len(parts) == 3 else None
+
+
+def partition_files(root: str, table: str, run_name: str, part: int, attempt: Optional[str]) -> list[str]:
+    """The files of one partition that a commit names, relative to the table folder: those of
+    `attempt` (every file when None, as for lakes written before attempts), whole and of the
+    table's schema; anything else there is skipped with a warning."""
+    out = []
+    for p in st.list_dir(partition_dir(root, table, run_name, part)):
+        n = st.name(p)
+        if n.startswith(".") or not n.endswith(".parquet") or (attempt is not None and attempt_of(p) != attempt):
+            continue
+        why = why_not_belongs(p, table)
+        if why is None:
+            out.append(f"run={run_name}/{PARTITION[table]}={part}/{n}")
+        else:
+            log.warning("lake: not committing %s: %s", p, why)
+    return out
+
+
+def commit_marker(root: str, marker: str, run_name: str, part: int, key: str, row: dict) -> str:
+    """Commit a partition (round or learner iteration): claim, apply its data files, publish.
+
+    FileExistsError when the partition is already claimed (by another driver, or an earlier run)."""
+    app = dl.app_id(run_name, PARTITION[marker], part)
+    if dl.claimed(root, marker, app):
+        raise FileExistsError(f"{marker} {app} is already committed in lake {root}")
+    attempt = row.get("attempt")
+    files = {t: partition_files(root, t, run_name, part, attempt) for t in data_tables(marker)}
+    row = dict(row, files=[f"{t}/{rel}" for t, rels in files.items() for rel in rels])
+    path = write_file(root, marker, run_name, part, f"{key}.{attempt or uuid.uuid4().hex[:8]}", as_table(marker, [row]))
+    try:
+        claim_and_publish(root, marker, run_name, part, path, files)
+    except FileExistsError:
+        st.delete(path)
+        raise
+    return path
+
+
+def claim_and_publish(root: str, marker: str, run_name: str, part: int, marker_file: st.Location,
+                      files: dict[str, list[str]]) -> None:
+    """Steps 1-3 of a commit for a marker file already written (also used by `migrate`)."""
+    app = dl.app_id(run_name, PARTITION[marker], part)
+    rel = f"run={run_name}/{PARTITION[marker]}={part}/{st.name(marker_file)}"
+    if not dl.commit(root, marker, [], app=app, metadata={"unstable_dask.claim": app, "unstable_dask.marker": rel}):
+        raise FileExistsError(f"{marker} {app} was committed by another writer in lake {root}")
+    publish(root, marker, app, rel, files)
+
+
+def publish(root: str, marker: str, app: str, marker_rel: str, files: dict[str, list[str]]) -> None:
+    """Steps 2 and 3 of a commit; each is idempotent, so a finisher may repeat them."""
+    for table, rels in files.items():
+        dl.commit(root, table, rels, app=app)
+    dl.commit(root, marker, [marker_rel])  # adding a path the log has already is a no-op
+
+
+def finish_commits(root: str, marker: str, run_name: str, last_published: Optional[int]) -> list[int]:
+    """Publish the partitions of `run_name` after `last_published` that were claimed but not
+    published (a driver killed mid-commit): the marker file named in the claim lists the files.
+    Returns their numbers."""
+    done, part = [], -1 if last_published is None else last_published
+    while True:
+        app = dl.app_id(run_name, PARTITION[marker], part + 1)
+        meta = dl.claim_metadata(root, marker, app)
+        if meta is None:
+            return done
+        rel = meta["unstable_dask.marker"]
+        names = st.read_table(st.join(root, marker, rel), columns=["files"]).column(0)[0].as_py() or []
+        files: dict[str, list[str]] = {t: [] for t in data_tables(marker)}
+        for name in names:
+            t, r = name.split("/", 1)
+            files[t].append(r)
+        publish(root, marker, app, rel, files)
+        part += 1
+        done.append(part)
+
+
+def last_claimed(root: str, marker: str, run_name: str, last_published: Optional[int]) -> Optional[int]:
+    """The newest partition of `run_name` that is claimed (published or still being published)."""
+    part = last_published
+    while dl.claimed(root, marker, dl.app_id(run_name, PARTITION[marker], 0 if part is None else part + 1)):
+        part = 0 if part is None else part + 1
+    return part
+
+
+def remove_other_attempts(root: str, marker: str, run_name: str, part: int, attempt: str) -> int:
+    """After a commit: delete files other attempts left behind (no commit names them), and temp
+    files of writers killed mid-write: once the partition is committed none can ever count."""
+    removed = 0
+    for table in data_tables(marker):
+        for p in st.list_dir(partition_dir(root, table, run_name, part)):
+            n = st.name(p)
+            stale_tmp = n.startswith(".") and n.endswith(".tmp")
+            if stale_tmp or (n.endswith(".parquet") and attempt_of(p) != attempt):
+                st.delete(p)
+                removed += 1
+    return removed
