@@ -25,7 +25,7 @@ import duckdb
 import numpy as np
 from common import row, save
 
-from unstable_dask.lake import Lake
+from unstable_dask.lake import Lake, read
 from unstable_dask.lake.maintain import compact, vacuum
 from unstable_dask.learn.rewards import batch_query
 

@@ -39,8 +39,8 @@ def main() -> None:
     args = ap.parse_args()
 
     import duckdb
+    from unstable_dask.cluster.client import open_client
     from unstable_dask.lake import Lake
-from unstable_dask.cluster.client import open_client
     from unstable_dask.jobfile import load_job
     from unstable_dask.inference.engine import get_engine
     from unstable_dask.play.task import play_task

@@ -7,7 +7,7 @@ import pytest
 
 from unstable_dask.lake import Lake
 from unstable_dask.jobfile import load_job
-from unstable_dask.play.opponents import Checkpoint, OpponentPool
+from unstable_dask.play.opponents import Checkpoint
 from unstable_dask.play.schedule import schedule_games
 
 

@@ -125,7 +125,7 @@ def check_learn_sql(job: Job) -> None:
     from unstable_dask.learn.learner import Plan, build_query
     from unstable_dask.learn.rewards import STAGES, batch_query, parse_transform, run_batch_query
 
-    cfg, run = job.learn, job.run.name
+    cfg, run_name = job.learn, job.run.name
     texts = {"final": cfg.final_transforms, "step": cfg.step_transforms, "sampling": cfg.sampling_transforms}
 
     def error(stage: str, i: int, e: JobError) -> JobError:
@@ -142,9 +142,9 @@ def check_learn_sql(job: Job) -> None:
                 except JobError as e:
                     raise error(stage, i, e) from None
         try:  # the query the learner runs, algorithm-specific steps included
-            run_batch_query(con, build_query(job, Plan(run, 1, "ckpt-1", "base", None, [0]), 0, con))
+            run_batch_query(con, build_query(job, Plan(run_name, 1, "ckpt-1", "base", None, [0]), 0, con))
             if algorithms.spec(cfg.algorithm).sampling_on == "advantages":  # A2C: its sampling SQL reads the batch
-                run_batch_query(con, batch_query(run, [0], cfg.batch_size, 0, *(parsed[s] for s in STAGES)))
+                run_batch_query(con, batch_query(run_name, [0], cfg.batch_size, 0, *(parsed[s] for s in STAGES)))
             return
         except JobError as whole:
             failed = whole
@@ -154,7 +154,7 @@ def check_learn_sql(job: Job) -> None:
             for i, t in enumerate(parsed[stage]):
                 upto[stage].append(t)
                 try:
-                    run_batch_query(con, batch_query(run, [0], cfg.batch_size, 0, *(upto[s] for s in STAGES)))
+                    run_batch_query(con, batch_query(run_name, [0], cfg.batch_size, 0, *(upto[s] for s in STAGES)))
                 except JobError as e:
                     raise error(stage, i, e) from None
         raise JobError(f"{job.source}: key 'learn': {failed}")

@@ -86,12 +86,12 @@ def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = 
         raise JobError(f"{job.source}: --rounds must be >= 1, got {rounds}")
     console = console or Console(stderr=True)
     check_quantization(job, resolve_device(job))  # before the first round, not at the first update
-    run = job.run.name
+    run_name = job.run.name
     results = []
     with open_client(job.cluster) as client:  # one cluster for the whole loop: engines stay resident
         while True:
             lake = Lake(job.run.lake)  # the lake as it is now: one snapshot for this step's decisions
-            last = lake.last_round(run)
+            last = lake.last_round(run_name)
             if last is not None and plan(job, lake) is not None:  # committed but not yet trained on
                 res = learn(job, client=client)
                 console.print(str(res))

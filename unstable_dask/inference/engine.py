@@ -2,28 +2,26 @@
 
 `get_engine(cfg)` returns the process's engine for a `ModelConfig`; the weights are loaded once per
 (model, dtype) and every task/round of a Dask worker reuses them. LoRA adapters are hot-swapped by
-name on top of the resident base model (design invariant 6).
+name on top of the resident base model, never reloaded with it (DESIGN.md, invariant 6).
 
-Backends: `hf` (transformers `generate`, CPU or one GPU) lives here; `vllm` lives in
-`vllm_engine.py` and is imported only when asked for.
+Backends, one module each, imported only when asked for (BACKENDS): `hf` (transformers
+`generate`, CPU or one GPU; hf.py) and `vllm` (vLLM's offline engine; vllm_engine.py). Each has
+`make_engine(cfg) -> Engine`.
 """
 from __future__ import annotations
 
-import gc
+import importlib
 import json
 import threading
-from collections import OrderedDict
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from unstable_dask.config import ModelConfig
-
 from unstable_dask.errors import JobError
-from unstable_dask.inference.weights import resolve_model
 
-MAX_RESIDENT_ADAPTERS = 16  # least recently used adapters beyond this are unloaded
+# backend name -> module with make_engine(cfg). The one registration of a backend.
+BACKENDS = {"hf": "unstable_dask.inference.hf", "vllm": "unstable_dask.inference.vllm_engine"}
 
 
 @dataclass(frozen=True)
@@ -95,204 +93,23 @@ def check_adapter(adapter: Adapter) -> None:
         raise FileNotFoundError(f"adapter {adapter.name!r}: no adapter_config.json in {adapter.path}")
 
 
-# ---------------------------------------------------------------- transformers backend
-
-def _behaviour_logprob_processor(temperature: float, top_p: float):
-    """A logits processor that replaces the scores by the behaviour log-probs and records the sampled ones.
-
-    It returns `sampling_logprobs(scores, temperature, top_p)` (normalised log-probs, -inf outside
-    the nucleus) with generate's own warpers switched off, so generate draws each token from
-    exactly the distribution whose log-prob is recorded: one computation, not two.
-    """
-    import torch
-    from transformers import LogitsProcessor
-
-    from unstable_dask.inference.sampling import sampling_logprobs
-
-    class BehaviourLogprobs(LogitsProcessor):
-        def __init__(self) -> None:
-            self.prev: Optional[torch.Tensor] = None  # log-probs of the step whose token is not known yet
-            self.steps: list[torch.Tensor] = []
-
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            if self.prev is not None:  # input_ids now end with the token sampled from `prev`
-                self.steps.append(self.prev.gather(1, input_ids[:, -1:])[:, 0])
-            self.prev = sampling_logprobs(scores, temperature, top_p)
-            return self.prev
-
-        def finish(self, sequences: torch.Tensor) -> torch.Tensor:
-            """(batch, new_tokens) log-probs, once generate has returned."""
-            if self.prev is not None:
-                self.steps.append(self.prev.gather(1, sequences[:, -1:])[:, 0])
-            return torch.stack(self.steps, dim=1)
-
-    return BehaviourLogprobs()
-
-
-class _HFModel:
-    """Weights, tokenizer and loaded adapters of one model in this process (shared by engines)."""
-
-    def __init__(self, path: str, dtype: str) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if dtype == "auto":
-            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.tokenizer.padding_side = "left"
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(self.device).eval()
-        # Stop at the tokenizer's EOS and at any EOS the checkpoint declares (e.g. <|endoftext|>).
-        declared = self.base.generation_config.eos_token_id
-        declared = declared if isinstance(declared, list) else [declared]
-        self.eos_ids = sorted({self.tokenizer.eos_token_id, *declared} - {None})
-        # Sampling comes from ModelConfig only: drop the checkpoint's defaults (top_k, penalties...).
-        self.base.generation_config = GenerationConfig(eos_token_id=self.eos_ids,
-                                                       pad_token_id=self.tokenizer.pad_token_id)
-        self.model: Any = self.base  # becomes a PeftModel once an adapter is loaded
-        self.adapters: OrderedDict[str, tuple[str, str]] = OrderedDict()  # name -> (peft slot, path)
-        self.n_slots = 0
-        self.sleeping = False
-        self.lock = threading.Lock()  # one generate at a time: the active adapter is model state
-
-    def use(self, adapter: Optional[Adapter]):
-        """Make `adapter` (or the bare base model) active; returns a context to run generate in."""
-        from peft import PeftModel
-
-        if adapter is None:
-            return self.model.disable_adapter() if isinstance(self.model, PeftModel) else nullcontext()
-        known = self.adapters.get(adapter.name)
-        if known is None or known[1] != adapter.path:
-            check_adapter(adapter)
-            # peft slot names are module keys: use our own safe, never-reused names.
-            slot = f"adapter{self.n_slots}"
-            self.n_slots += 1
-            if isinstance(self.model, PeftModel):
-                self.model.load_adapter(adapter.path, adapter_name=slot)
-            else:
-                self.model = PeftModel.from_pretrained(self.base, adapter.path, adapter_name=slot)
-            self.model.set_adapter(slot)  # before any delete: peft complains when the active one goes
-            if known is not None:  # same name, new path: the new weights replace the old ones
-                self.model.delete_adapter(known[0])
-            self.adapters[adapter.name] = (slot, adapter.path)
-            while len(self.adapters) > MAX_RESIDENT_ADAPTERS:
-                _, (old_slot, _) = self.adapters.popitem(last=False)
-                self.model.delete_adapter(old_slot)
-            self.model.eval()
-        self.adapters.move_to_end(adapter.name)
-        self.model.set_adapter(self.adapters[adapter.name][0])
-        return nullcontext()
-
-    def to(self, device: Any) -> None:
-        import torch
-
-        self.model.to(device)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
-class HFEngine:
-    """transformers `generate`: batched, left-padded, behaviour log-probs, peft LoRA hot-swap."""
-
-    def __init__(self, cfg: ModelConfig, hf: Optional[_HFModel] = None) -> None:
-        self.cfg = cfg
-        self.hf = hf or _HFModel(resolve_model(cfg.base), cfg.dtype)
-        self.tokenizer = self.hf.tokenizer
-
-    def chat_prompt(self, user_text: str) -> str:
-        return chat_prompt(self.tokenizer, user_text)
-
-    def generate(self, prompts: list[str], adapter: Optional[Adapter] = None,
-                 seed: Optional[int] = None) -> list[Generation]:
-        import torch
-
-        ids = encode_prompts(self.tokenizer, prompts, prompt_budget(self.cfg))
-        # Longest first, so each chunk holds similar lengths and little padding.
-        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-        results: list[Optional[Generation]] = [None] * len(ids)
-        with self.hf.lock:
-            if self.hf.sleeping:
-                self.wake_up()
-            with self.hf.use(adapter), torch.inference_mode():
-                for start in range(0, len(order), self.cfg.hf_max_batch):
-                    chunk = order[start:start + self.cfg.hf_max_batch]
-                    # A fresh seed per chunk keeps a chunk's samples independent of the chunks before it.
-                    cuda = [torch.cuda.current_device()] if self.hf.device.type == "cuda" else []
-                    rng = torch.random.fork_rng(devices=cuda) if seed is not None else nullcontext()
-                    with rng:
-                        if seed is not None:
-                            torch.manual_seed(seed + start)
-                        gens = self._generate_chunk([ids[i] for i in chunk])
-                    for i, g in zip(chunk, gens):
-                        results[i] = g
-        return results  # type: ignore[return-value]
-
-    def _generate_chunk(self, batch: list[list[int]]) -> list[Generation]:
-        import torch
-
-        cfg, hf = self.cfg, self.hf
-        width = max(len(x) for x in batch)
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch], device=hf.device)
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch], device=hf.device)
-        recorder = _behaviour_logprob_processor(cfg.temperature, cfg.top_p)
-        # The recorder already returns the behaviour distribution: generate must not warp it again.
-        sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if cfg.temperature > 0 else {}
-        seqs = hf.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
-                                 logits_processor=[recorder], eos_token_id=hf.eos_ids, pad_token_id=pad,
-                                 **sampling)
-        new = seqs[:, width:]
-        logprobs = recorder.finish(new).tolist()
-        eos = torch.isin(new, torch.tensor(hf.eos_ids, device=new.device))
-        out = []
-        for row, x in enumerate(batch):
-            hits = eos[row].nonzero()
-            n = int(hits[0]) + 1 if len(hits) else new.shape[1]
-            tokens = new[row, :n].tolist()
-            out.append(Generation(text=self.tokenizer.decode(tokens, skip_special_tokens=True),
-                                  prompt_tokens=len(x), completion_tokens=n,
-                                  truncated=not len(hits), logprobs=logprobs[row][:n], token_ids=tokens))
-        return out
-
-    def sleep(self) -> None:
-        if self.hf.device.type == "cuda" and not self.hf.sleeping:
-            self.hf.to("cpu")
-            self.hf.sleeping = True
-
-    def wake_up(self) -> None:
-        if self.hf.sleeping:
-            self.hf.to(self.hf.device)
-            self.hf.sleeping = False
-
-    def close(self) -> None:
-        # Every engine view on these weights goes with them.
-        for key in [k for k, v in _ENGINES.items() if getattr(v, "hf", None) is self.hf]:
-            del _ENGINES[key]
-        for key in [k for k, v in _HF_MODELS.items() if v is self.hf]:
-            del _HF_MODELS[key]
-        self.hf.model = self.hf.base = None
-        gc.collect()
-        try:
-            import torch
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:
-            pass
-
-
 # ---------------------------------------------------------------- the per-process cache
 
 _ENGINES: dict[str, Engine] = {}  # full sampling + model config -> engine (a cheap view)
-_HF_MODELS: dict[tuple[str, str], _HFModel] = {}  # (model path, dtype) -> resident weights
-_CACHE_LOCK = threading.Lock()
+_CACHE_LOCK = threading.RLock()  # re-entrant: a backend's close() calls forget() under it
 
 
 def resident_engines() -> list[Engine]:
     """Engines this process keeps resident (e.g. to sleep them while a learner uses the GPU)."""
     with _CACHE_LOCK:
         return list(_ENGINES.values())
+
+
+def forget(which: Callable[[Engine], bool]) -> None:
+    """Drop engines from the cache (a backend closing its weights drops every view on them)."""
+    with _CACHE_LOCK:
+        for key in [k for k, e in _ENGINES.items() if which(e)]:
+            del _ENGINES[key]
 
 
 def close_resident() -> None:
@@ -312,13 +129,6 @@ def get_engine(cfg: ModelConfig) -> Engine:
     with _CACHE_LOCK:
         engine = _ENGINES.get(key)
         if engine is None:
-            if cfg.backend == "vllm":
-                from unstable_dask.inference.vllm_engine import VLLMEngine
-                engine = VLLMEngine(cfg)
-            else:
-                weights_key = (resolve_model(cfg.base), cfg.dtype)
-                if weights_key not in _HF_MODELS:
-                    _HF_MODELS[weights_key] = _HFModel(*weights_key)
-                engine = HFEngine(cfg, _HF_MODELS[weights_key])
+            engine = importlib.import_module(BACKENDS[cfg.backend]).make_engine(cfg)
             _ENGINES[key] = engine
         return engine

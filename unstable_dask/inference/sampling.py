@@ -39,7 +39,7 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     return torch.log_softmax(scores, dim=-1)
 
 
-def completion_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor,
+def masked_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor,
                         temperature: float, top_p: float) -> torch.Tensor:
     """log pi(x_t | x_<t) under (temperature, top_p) for the tokens x_1..x_L-1 of rows of `input_ids`.
 

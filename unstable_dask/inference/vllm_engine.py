@@ -2,7 +2,7 @@
 
 Imported only when `model.backend = "vllm"`, so the rest of the project never needs vLLM.
 The base model is loaded once per process; each adapter gets a stable integer id, and vLLM
-keeps recently used adapters cached on the device (design invariant 6: no base reloads).
+keeps recently used adapters cached on the device (no base reloads: DESIGN.md, invariant 6).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import threading
 from typing import Any, Optional
 
 from unstable_dask.config import ModelConfig
+from unstable_dask.inference import engine as engines
 from unstable_dask.inference.engine import (Adapter, Generation, check_adapter, chat_prompt, encode_prompts,
                                    prompt_budget)
 from unstable_dask.inference.weights import resolve_model
@@ -144,13 +145,11 @@ class VLLMEngine:
     def close(self) -> None:
         # Stop the engine-core process now rather than from vLLM's exit hooks (which log to
         # streams already closed by then); then drop our references so GC can free the weights.
-        from unstable_dask.inference import engine as engines
         core = getattr(getattr(self.vm.llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
 
-        for key in [k for k, v in engines._ENGINES.items() if getattr(v, "vm", None) is self.vm]:
-            del engines._ENGINES[key]
+        engines.forget(lambda e: getattr(e, "vm", None) is self.vm)
         for key in [k for k, v in _LLMS.items() if v is self.vm]:
             del _LLMS[key]
         self.vm.llm = None
@@ -161,6 +160,10 @@ class VLLMEngine:
 
 
 _LLMS: dict[str, _VLLMModel] = {}  # engine arguments -> resident vllm.LLM
+
+
+def make_engine(cfg: ModelConfig) -> VLLMEngine:
+    return VLLMEngine(cfg)
 
 
 def _llm_key(cfg: ModelConfig) -> str:

@@ -35,9 +35,9 @@ def table_uri(lake: Lake, table: str) -> str:
     return st.join(st.root(lake), table)
 
 
-def app_id(run: str, partition: str, part: int) -> str:
+def app_id(run_name: str, partition: str, part: int) -> str:
     """The application-transaction id of one partition's commit, e.g. `demo/round=3`."""
-    return f"{run}/{partition}={part}"
+    return f"{run_name}/{partition}={part}"
 
 
 def load(lake: Lake, table: str, version: Optional[int] = None) -> Optional[DeltaTable]:
@@ -154,14 +154,14 @@ def snapshot(lake: Lake, table: str, version: Optional[int] = None) -> Snapshot:
                     dt.metadata().configuration.get(MIXED) == "true")
 
 
-def compact(lake: Lake, table: str, run: Optional[str] = None, target_mb: int = 128) -> dict:
+def compact(lake: Lake, table: str, run_name: Optional[str] = None, target_mb: int = 128) -> dict:
     """Merge a table's small files (of one run, or all) into files of up to `target_mb`.
 
     A `data_change = false` rewrite: every query reads the same rows before and after."""
     dt = load(lake, table)
     if dt is None:
         return {"table": table, "added": 0, "removed": 0}
-    metrics = dt.optimize.compact(partition_filters=[("run", "=", run)] if run else None,
+    metrics = dt.optimize.compact(partition_filters=[("run", "=", run_name)] if run_name else None,
                                   target_size=target_mb * 2**20)
     return {"table": table, "added": metrics.get("numFilesAdded", 0), "removed": metrics.get("numFilesRemoved", 0)}
 

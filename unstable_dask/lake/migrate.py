@@ -26,7 +26,7 @@ from unstable_dask.lake.read import view_sql
 @dataclass
 class Pending:
     marker: str
-    run: str
+    run_name: str
     part: int
     marker_file: Path
     files: dict[str, list[str]]  # data table -> paths relative to the table folder
@@ -38,8 +38,8 @@ def pending(lake: Union[str, Path]) -> list[Pending]:
     for marker in ("rounds", "checkpoints"):
         part_name = PARTITION[marker]
         for d in sorted((Path(lake) / marker).glob(f"run=*/{part_name}=*")):
-            run, part = d.parent.name.split("=", 1)[1], int(d.name.split("=", 1)[1])
-            if dl.claimed(lake, marker, dl.app_id(run, part_name, part)):
+            run_name, part = d.parent.name.split("=", 1)[1], int(d.name.split("=", 1)[1])
+            if dl.claimed(lake, marker, dl.app_id(run_name, part_name, part)):
                 continue
             markers = [p for p in sorted(d.glob("*.parquet")) if not p.name.startswith(".")
                        and commit.why_not_belongs(p, marker) is None]
@@ -47,8 +47,8 @@ def pending(lake: Union[str, Path]) -> list[Pending]:
                 continue
             names = pq.read_schema(markers[0]).names
             attempt = pq.read_table(markers[0], columns=["attempt"]).column(0)[0].as_py() if "attempt" in names else None
-            files = {t: commit.partition_files(str(lake), t, run, part, attempt) for t in data_tables(marker)}
-            out.append(Pending(marker, run, part, markers[0], files))
+            files = {t: commit.partition_files(str(lake), t, run_name, part, attempt) for t in data_tables(marker)}
+            out.append(Pending(marker, run_name, part, markers[0], files))
     return out
 
 
@@ -79,8 +79,8 @@ def migrate(lake: Union[str, Path]) -> dict[str, tuple[int, int]]:
     old = duckdb.connect(":memory:")
     before = {t: tuple(int(v) for v in old.execute(checksum_sql(t, _old_view(old, lake, t, todo))).fetchall()[0])
               for t in VIEWS}
-    for p in sorted(todo, key=lambda p: (p.marker, p.run, p.part)):
-        commit.claim_and_publish(str(lake), p.marker, p.run, p.part, p.marker_file, p.files)
+    for p in sorted(todo, key=lambda p: (p.marker, p.run_name, p.part)):
+        commit.claim_and_publish(str(lake), p.marker, p.run_name, p.part, p.marker_file, p.files)
     done = Lake(lake)
     done.refresh_catalog()
     after = checksums(done.connect())

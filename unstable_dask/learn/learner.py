@@ -43,7 +43,7 @@ from unstable_dask.learn.rewards import batch_query, parse_transforms, run_batch
 
 @dataclass
 class Plan:
-    run: str
+    run_name: str
     iteration: int
     uid: str
     parent_uid: str
@@ -57,7 +57,7 @@ class Plan:
 
 @dataclass
 class LearnResult:
-    run: str
+    run_name: str
     iteration: int
     uid: str
     adapter_path: Optional[str]
@@ -78,35 +78,35 @@ def plan(job: Job, lake: Optional[Lake] = None) -> Optional[Plan]:
 
     One snapshot of the lake answers everything (taken after finishing an iteration whose learner
     died mid-commit); its versions are the plan's, so every batch of the iteration reads it."""
-    lake, run = lake or Lake(job.run.lake), job.run.name
-    lake.finish_commits("checkpoints", run)
-    rounds = window_rounds(lake.rounds(run), job.learn.window)
+    lake, run_name = lake or Lake(job.run.lake), job.run.name
+    lake.finish_commits("checkpoints", run_name)
+    rounds = window_rounds(lake.rounds(run_name), job.learn.window)
     if not rounds:
-        raise JobError(f"{job.source}: run '{run}' has no committed round in lake '{lake.uri}'; play a round first")
-    ckpts = lake.table("checkpoints").rows(run, order_by="iteration")
+        raise JobError(f"{job.source}: run '{run_name}' has no committed round in lake '{lake.uri}'; play a round first")
+    ckpts = lake.table("checkpoints").rows(run_name, order_by="iteration")
     parent = ckpts[-1] if ckpts else None
     if parent is not None and max(parent["rounds_trained"] or [-1]) >= rounds[-1]:
         return None
     k = (parent["iteration"] if parent else 0) + 1
     adapter = lake.location(parent["adapter_path"]) if parent and parent["adapter_path"] else None
     versions = {t: v for t, v in lake.versions.items() if v is not None}
-    return Plan(run, k, f"ckpt-{k}", parent["uid"] if parent else "base", adapter, rounds, versions)
+    return Plan(run_name, k, f"ckpt-{k}", parent["uid"] if parent else "base", adapter, rounds, versions)
 
 
 def recorded_plan(job: Job, at: str) -> Plan:
     """The plan of an iteration already trained (`at`: its checkpoint uid or iteration number),
     from its learner_steps rows: rounds, batch seeds and the table versions it read."""
-    lake, run = Lake(job.run.lake), job.run.name
+    lake, run_name = Lake(job.run.lake), job.run.name
     key = "iteration = ?" if at.isdigit() else "checkpoint_uid = ?"
-    rows = lake.table("learner_steps").read(f"run = ? AND {key}", [run, int(at) if at.isdigit() else at]).to_pylist()
+    rows = lake.table("learner_steps").read(f"run = ? AND {key}", [run_name, int(at) if at.isdigit() else at]).to_pylist()
     if not rows:
-        raise JobError(f"--at-version {at!r}: run '{run}' in lake '{lake.uri}' has no learner iteration with that "
+        raise JobError(f"--at-version {at!r}: run '{run_name}' in lake '{lake.uri}' has no learner iteration with that "
                        "checkpoint uid or number (see: run sql \"SELECT iteration, uid FROM checkpoints\")")
     if any(r["table_versions"] is None for r in rows):
         raise JobError(f"--at-version {at!r}: learner_steps of {rows[0]['checkpoint_uid']} in lake '{lake.uri}' record "
                        "no table versions (trained before the lake kept them); its batch cannot be pinned")
     first = min(rows, key=lambda r: r["update"])
-    return Plan(run, first["iteration"], first["checkpoint_uid"], "", None, list(first["rounds"]),
+    return Plan(run_name, first["iteration"], first["checkpoint_uid"], "", None, list(first["rounds"]),
                 {t: int(v) for t, v in json.loads(first["table_versions"]).items() if v is not None},
                 {int(r["update"]): int(r["batch_seed"]) for r in rows})
 
@@ -125,7 +125,7 @@ def build_query(job: Job, p: Plan, update: int = 0, con=None) -> str:
     # Sampling transforms on the rewards here, or by the update on its own advantages (A2C).
     sampling = parse_transforms(cfg.sampling_transforms, "sampling", con) if spec.sampling_on == "rewards" else []
     seed = p.seeds[update] if update in p.seeds else batch_seed(job, p.iteration, update)
-    return batch_query(p.run, p.rounds, cfg.batch_size, seed, final, step, sampling, unit=spec.unit)
+    return batch_query(p.run_name, p.rounds, cfg.batch_size, seed, final, step, sampling, unit=spec.unit)
 
 
 def check_exact_tokens(con: duckdb.DuckDBPyConnection, job: Job, p: Plan) -> None:
@@ -137,11 +137,11 @@ def check_exact_tokens(con: duckdb.DuckDBPyConnection, job: Job, p: Plan) -> Non
         old = con.execute(f"""SELECT DISTINCT round FROM turns WHERE run = ? AND round IN ({rounds}) AND split = 'train'
             AND is_learner AND prompt_tokens > 0 AND (completion_token_ids IS NULL OR group_id IS NULL)
             UNION SELECT round FROM rounds WHERE run = ? AND round IN ({rounds})
-            AND (temperature IS NULL OR top_p IS NULL) ORDER BY 1""", [p.run, p.run]).fetchall()
+            AND (temperature IS NULL OR top_p IS NULL) ORDER BY 1""", [p.run_name, p.run_name]).fetchall()
     except duckdb.BinderException:  # no file of the lake has the columns yet
         old = [(r,) for r in p.rounds]
     if old:
-        raise JobError(f"{job.source}: round(s) {[r for (r,) in old]} of run '{p.run}' in lake '{job.run.lake}' were "
+        raise JobError(f"{job.source}: round(s) {[r for (r,) in old]} of run '{p.run_name}' in lake '{job.run.lake}' were "
                        "played before the lake recorded exact token ids and sampling settings "
                        "(turns.completion_token_ids, rounds.temperature); the learner trains only on those: "
                        "play new rounds (learn.window) or start a new run")
@@ -205,7 +205,7 @@ def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None,
     if device == "cuda" and task_resources(job.cluster, client):
         def submit(c):  # the GPU lives on a worker: run there, beside that worker's resident engine
             return c.submit(_train, job, lake, p, device, resources={"GPU": 1}, pure=False,
-                            key=f"learn-{p.run}-{p.uid}-{time.time_ns()}").result()
+                            key=f"learn-{p.run_name}-{p.uid}-{time.time_ns()}").result()
         if client is not None:
             return submit(client)
         from unstable_dask.cluster.client import open_client
@@ -239,7 +239,7 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
             finally:
                 con.close()
             if batch.num_rows == 0:
-                raise JobError(f"{job.source}: no learner turns to train on in rounds {p.rounds} of run '{p.run}' "
+                raise JobError(f"{job.source}: no learner turns to train on in rounds {p.rounds} of run '{p.run_name}' "
                                "(learn.window, or games without learner seats)")
             m = trainer.update(batch)
             m.update(update=u, algorithm=job.learn.algorithm, checkpoint_uid=p.uid, batch_seed=batch_seed(job, p.iteration, u),
@@ -249,7 +249,7 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
         # Attempt-named, like round files: a learner racing on the same iteration can never
         # replace the adapter or steps of the attempt that committed it.
         attempt = uuid.uuid4().hex[:8]
-        rel = Lake.adapter_rel(p.run, p.uid, attempt)
+        rel = Lake.adapter_rel(p.run_name, p.uid, attempt)
         _save_atomic(trainer, lake.location(rel))
     finally:
         t = time.perf_counter()
@@ -261,20 +261,20 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
     if unknown:  # a metric must have its column (lake/catalog.py), or it would be dropped unseen
         raise RuntimeError(f"{job.learn.algorithm}'s update returned metrics that are not learner_steps columns: {unknown}")
     rows = [{k: s.get(k, swap.get(k)) for k in LEARNER_STEPS.names} for s in steps]
-    lake.write("learner_steps", p.run, p.iteration, f"steps.{attempt}", pa.Table.from_pylist(rows, schema=LEARNER_STEPS))
+    lake.write("learner_steps", p.run_name, p.iteration, f"steps.{attempt}", pa.Table.from_pylist(rows, schema=LEARNER_STEPS))
     try:
-        lake.commit("checkpoints", p.run, p.iteration, "checkpoint", dict(
+        lake.commit("checkpoints", p.run_name, p.iteration, "checkpoint", dict(
             attempt=attempt, uid=p.uid, parent_uid=p.parent_uid, adapter_path=rel, base_model=job.model.base,
             rounds_trained=p.rounds, algorithm=job.learn.algorithm, created_at=now()))
     except FileExistsError:
         st.delete(lake.location(rel))
-        raise JobError(f"{p.uid} of run '{p.run}' was committed by another learner while this one trained; "
+        raise JobError(f"{p.uid} of run '{p.run_name}' was committed by another learner while this one trained; "
                        "nothing of this attempt is visible") from None
-    lake.remove_other_attempts("checkpoints", p.run, p.iteration, attempt)
-    for stale in st.list_dir(lake.adapters_dir(p.run)):  # killed attempts' adapters
+    lake.remove_other_attempts("checkpoints", p.run_name, p.iteration, attempt)
+    for stale in st.list_dir(lake.adapters_dir(p.run_name)):  # killed attempts' adapters
         if st.name(stale).startswith(f"{p.uid}.") and st.name(stale) != f"{p.uid}.{attempt}" and st.is_dir(stale):
             st.delete(stale)
-    return LearnResult(p.run, p.iteration, p.uid, rel, p.rounds, steps)
+    return LearnResult(p.run_name, p.iteration, p.uid, rel, p.rounds, steps)
 
 
 def _save_atomic(trainer, final: str) -> None:

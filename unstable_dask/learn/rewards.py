@@ -253,7 +253,7 @@ def _sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
-def batch_query(run: str, rounds: Sequence[int], batch_size: int, seed: int,
+def batch_query(run_name: str, rounds: Sequence[int], batch_size: int, seed: int,
                 final: Sequence[Transform], step: Sequence[Transform], sampling: Sequence[Transform],
                 unit: str = "turn") -> str:
     """The ONE query returning the learner's batch for the given (already resolved) window.
@@ -272,13 +272,13 @@ def batch_query(run: str, rounds: Sequence[int], batch_size: int, seed: int,
     ctes = [("final_0", f"""SELECT run, round, game_id, env_id, seed, pid, role, model_uid, is_learner,
          reward AS env_reward, reward
   FROM seats
-  WHERE run = {_sql_str(run)} AND split = 'train' AND {history}""")]
+  WHERE run = {_sql_str(run_name)} AND split = 'train' AND {history}""")]
     _chain(ctes, "final", final, "final_0")
     cols = ", ".join(f"t.{c}" for c in STEP_COLUMNS)
     ctes.append(("steps_0", f"""SELECT f.run, f.round, f.game_id, f.env_id, f.seed, f.pid, f.role, {cols},
          f.env_reward, f.reward AS final_reward, f.reward
   FROM turns t JOIN final f ON t.run = f.run AND t.round = f.round AND t.game_id = f.game_id AND t.pid = f.pid
-  WHERE t.run = {_sql_str(run)} AND t.round IN ({rounds_sql}) AND t.split = 'train' AND t.is_learner
+  WHERE t.run = {_sql_str(run_name)} AND t.round IN ({rounds_sql}) AND t.split = 'train' AND t.is_learner
     AND t.prompt_tokens > 0"""))
     _chain(ctes, "steps", step, "steps_0")
     if unit == "turn":
@@ -297,7 +297,7 @@ def batch_query(run: str, rounds: Sequence[int], batch_size: int, seed: int,
     ctes.append(("batch_0", f"""SELECT b.*, {text}
   FROM sample b JOIN turns t ON t.run = b.run AND t.round = b.round AND t.game_id = b.game_id AND t.turn = b.turn
     JOIN rounds r ON r.run = b.run AND r.round = b.round
-  WHERE t.run = {_sql_str(run)} AND t.round IN ({rounds_sql})"""))
+  WHERE t.run = {_sql_str(run_name)} AND t.round IN ({rounds_sql})"""))
     _chain(ctes, "batch", sampling, "batch_0")
     return f"{_with(ctes)}\nSELECT * EXCLUDE (reward), reward AS advantage FROM batch\nORDER BY round, game_id, turn, pid"
 

@@ -109,7 +109,7 @@ def completion_logprobs(logits: "torch.Tensor", input_ids: "torch.Tensor", loss_
     settings = list(zip(temperature, top_p))
     for t, p in sorted(set(settings)):  # rows of one round share settings: usually one pass
         rows = torch.tensor([s == (t, p) for s in settings], device=logits.device)
-        out = out + sampling.completion_logprobs(logits, input_ids, completion & rows.unsqueeze(-1), t, p)
+        out = out + sampling.masked_token_logprobs(logits, input_ids, completion & rows.unsqueeze(-1), t, p)
     return out.clamp(min=LOGP_FLOOR)
 
 

@@ -37,7 +37,7 @@ PROGRESS_TOPIC = "unstable_dask.progress"
 
 @dataclass
 class RoundSummary:
-    run: str
+    run_name: str
     round: int
     checkpoint_uid: str
     games: int
@@ -80,14 +80,14 @@ def _play_on_worker(task, model_cfg, round_cfg, lake, endpoints):
 def play_round(job: Job, client: Optional[Client] = None, console: Optional[Console] = None) -> RoundSummary:
     """Play and commit the next round of `job.run.name`; the Python twin of `run round`."""
     console = console or Console(stderr=True)
-    lake, run = Lake(job.run.lake), job.run.name
+    lake, run_name = Lake(job.run.lake), job.run.name
     check_envs(job)
     with _in_job(job):
         resolve_model(job.model.base)  # a missing model fails here, not on every worker; builds builtins once
-    lake.finish_commits("rounds", run)  # a round whose driver died mid-commit
-    last = lake.last_round(run)
+    lake.finish_commits("rounds", run_name)  # a round whose driver died mid-commit
+    last = lake.last_round(run_name)
     round_ = 0 if last is None else last + 1
-    checkpoints = list_checkpoints(lake, run)
+    checkpoints = list_checkpoints(lake, run_name)
     current = checkpoints[-1]
     # Each attempt writes files of its own; only the attempt named by the commit marker is ever
     # visible, so a concurrent or killed driver can never change a committed round.
@@ -103,19 +103,19 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
                 client = stack.enter_context(open_client(job.cluster))
         results = _run_tasks(client, job, lake, tasks, n_games, round_, current, console)
     wall = time.perf_counter() - t0
-    summary = RoundSummary(run, round_, current.uid, sum(r["games"] for r in results),
+    summary = RoundSummary(run_name, round_, current.uid, sum(r["games"] for r in results),
                            sum(r["turns"] for r in results), sum(r["completion_tokens"] for r in results),
                            wall, results, lake.uri)
     try:
-        lake.commit_round(run, round_, dict(
+        lake.commit_round(run_name, round_, dict(
             attempt=attempt, checkpoint_uid=current.uid, games=summary.games, turns=summary.turns, tasks=len(tasks),
             completion_tokens=summary.completion_tokens, temperature=job.model.temperature, top_p=job.model.top_p,
             max_new_tokens=job.model.max_new_tokens, job_fingerprint=job.fingerprint(),
             job=json.dumps(job.model_dump(mode="json"), sort_keys=True), started_at=started, committed_at=now()))
     except FileExistsError:
-        raise JobError(f"round {round_} of run {run!r} was committed by another driver while this one played; "
+        raise JobError(f"round {round_} of run {run_name!r} was committed by another driver while this one played; "
                        f"nothing of this attempt is visible; run the command again for round {round_ + 1}") from None
-    lake.remove_other_attempts("rounds", run, round_, attempt)
+    lake.remove_other_attempts("rounds", run_name, round_, attempt)
     return summary
 
 
@@ -141,7 +141,7 @@ def _run_tasks(client: Client, job: Job, lake: Lake, tasks, n_games: int, round_
         client.subscribe_topic(PROGRESS_TOPIC, on_event)
         try:
             futures = [client.submit(_play_on_worker, t, job.model, job.round, lake, job.endpoints, pure=False,
-                                     key=f"play-{t.run}-r{t.round}-{t.key}-{time.time_ns()}",
+                                     key=f"play-{t.run_name}-r{t.round}-{t.key}-{time.time_ns()}",
                                      resources=resources, retries=2)
                        for t in tasks]
             # Take each result as soon as its task ends and release it: a worker retiring at its
@@ -159,7 +159,7 @@ def _run_tasks(client: Client, job: Job, lake: Lake, tasks, n_games: int, round_
     return results
 
 
-def round_stats(lake: Lake, run: str, round_: int) -> list[dict]:
+def round_stats(lake: Lake, run_name: str, round_: int) -> list[dict]:
     """Per model and split: games, W/D/L, format success, invalid-move rate (from the lake)."""
     return lake.sql("""
         WITH s AS (
@@ -178,4 +178,4 @@ def round_stats(lake: Lake, run: str, round_: int) -> list[dict]:
                any_value(t.format_ok) AS format_ok, any_value(t.invalid_move) AS invalid_rate,
                any_value(t.completion_tokens) AS mean_tokens
         FROM s LEFT JOIN t USING (split, model_uid)
-        GROUP BY ALL ORDER BY s.split DESC, s.model_uid""", [run, round_, run, round_]).to_pylist()
+        GROUP BY ALL ORDER BY s.split DESC, s.model_uid""", [run_name, round_, run_name, round_]).to_pylist()

@@ -35,7 +35,7 @@ class GameSpec:
 @dataclass(frozen=True)
 class TaskSpec:
     key: str  # task-0003: fixed by the schedule
-    run: str
+    run_name: str
     round: int
     games: tuple[GameSpec, ...]
     attempt: str = "0"  # the driver attempt playing it; the commit marker names the winning one

@@ -10,9 +10,7 @@ extreme that float64 cannot represent it) that game is rated with the mpmath bac
 from __future__ import annotations
 
 import math
-from typing import Optional
 
-import trueskill
 
 from unstable_dask.config import RatingsConfig
 from unstable_dask.skill import inherited, make_env

@@ -50,7 +50,7 @@ SCHEMAS: dict[str, pa.Schema] = {t: catalog.SCHEMAS[t] for t in ("ratings", "rat
 
 @dataclass
 class RatingsResult:
-    run: str
+    run_name: str
     ratings: pa.Table
     rating_history: pa.Table
     head_to_head: pa.Table
@@ -112,10 +112,10 @@ def _fingerprint(cfg: RatingsConfig, models: list[str], parent_of: dict[str, str
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _load_state(lake: Lake, run: str, cfg: RatingsConfig, parent_of: dict[str, str],
+def _load_state(lake: Lake, run_name: str, cfg: RatingsConfig, parent_of: dict[str, str],
                 committed: list[int]) -> Optional[tuple[pa.Table, list[int]]]:
     """The saved state, if it may be extended by the rounds committed since; else None."""
-    path = lake.file("ratings_state", run, None, "state")
+    path = lake.file("ratings_state", run_name, None, "state")
     if not storage.is_whole_parquet(path):
         return None
     table = storage.read_table(path)
@@ -137,14 +137,14 @@ _GAMES_SQL = """SELECT round, game_id, env_id,
 FROM games WHERE run = ? AND round > ? {split} ORDER BY round, game_id"""
 
 
-def _read_games(con, run: str, include_eval: bool, after: int) -> pa.Table:
+def _read_games(con, run_name: str, include_eval: bool, after: int) -> pa.Table:
     sql = _GAMES_SQL.format(split="" if include_eval else "AND split = 'train'")
-    return con.sql(sql, params=[run, after]).to_arrow_table()
+    return con.sql(sql, params=[run_name, after]).to_arrow_table()
 
 
-def _lineage(con, run: str) -> dict[str, str]:
+def _lineage(con, run_name: str) -> dict[str, str]:
     return dict(con.sql("SELECT uid, parent_uid FROM checkpoints WHERE run = ? AND parent_uid IS NOT NULL "
-                        "ORDER BY uid", params=[run]).fetchall())
+                        "ORDER BY uid", params=[run_name]).fetchall())
 
 
 def _flat(col: pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
@@ -328,14 +328,14 @@ def rate(job: Job, full: bool = False) -> RatingsResult:
     `full=True` ignores the saved replay state (the result is the same, only slower).
     """
     t0 = time.perf_counter()
-    cfg, run, lake = job.ratings, job.run.name, Lake(job.run.lake)
-    committed = lake.rounds(run)  # one snapshot for the rounds and every game read below
+    cfg, run_name, lake = job.ratings, job.run.name, Lake(job.run.lake)
+    committed = lake.rounds(run_name)  # one snapshot for the rounds and every game read below
     con = lake.connect()
     try:
-        parent_of = _lineage(con, run)
-        saved = None if full else _load_state(lake, run, cfg, parent_of, committed)
+        parent_of = _lineage(con, run_name)
+        saved = None if full else _load_state(lake, run_name, cfg, parent_of, committed)
         done = saved[1] if saved else []
-        games = _read_games(con, run, cfg.include_eval, max(done, default=-1))
+        games = _read_games(con, run_name, cfg.include_eval, max(done, default=-1))
     finally:
         con.close()
     old = saved[0] if saved else pa.Table.from_pylist([], schema=SCHEMAS["ratings_state"])
@@ -349,7 +349,7 @@ def rate(job: Job, full: bool = False) -> RatingsResult:
     todo = [r for r in committed if r not in set(done)]
     snaps = _replay(st, cfg, duels, rounds, todo)
 
-    history_path = lake.file("rating_history", run, None, "rating_history")
+    history_path = lake.file("rating_history", run_name, None, "rating_history")
     if done and storage.is_whole_parquet(history_path):
         prev = storage.read_table(history_path).cast(SCHEMAS["rating_history"])
         snaps.insert(0, prev.filter(pa.compute.is_in(prev.column("round"), pa.array(done, pa.int64()))))
@@ -357,14 +357,14 @@ def rate(job: Job, full: bool = False) -> RatingsResult:
                       [("round", "ascending"), ("env_id", "ascending"), ("model_uid", "ascending")])
     state = _state_table(st)
     ratings, head = _outputs(state, cfg, job.run.seed)
-    paths = [lake.write(name, run, None, name, table)
+    paths = [lake.write(name, run_name, None, name, table)
              for name, table in (("ratings", ratings), ("rating_history", history), ("head_to_head", head))]
     saved_models = sorted(set(state.column("model_uid").to_pylist()) | set(state.column("model_b").drop_null().to_pylist()))
     meta = {"rounds": committed, "fingerprint": _fingerprint(cfg, saved_models, parent_of)}
     state = state.replace_schema_metadata({"unstable_dask": json.dumps(meta)})
-    paths.append(lake.write("ratings_state", run, None, "state", state))  # last: the commit point
+    paths.append(lake.write("ratings_state", run_name, None, "state", state))  # last: the commit point
     kinds = np.array(duels["dkind"][::2], dtype=np.int64)
-    return RatingsResult(run=run, ratings=ratings, rating_history=history, head_to_head=head,
+    return RatingsResult(run_name=run_name, ratings=ratings, rating_history=history, head_to_head=head,
                          games_rated=int(np.isin(kinds, (FAST, SOLO, MULTI)).sum()),
                          mirror_games=int((kinds == MIRROR).sum()), skipped_games=skipped, rounds=committed, incremental=bool(done),
                          paths=paths, seconds=time.perf_counter() - t0)

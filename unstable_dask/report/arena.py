@@ -44,18 +44,18 @@ ORDER BY r.env_id, r.conservative DESC, r.model_uid"""
 MAX_MATRIX = 25  # models per matrix, by BT score (FastChat's monitor shows 25)
 
 
-def _rows(con, sql: str, run: str) -> list[dict]:
-    return con.sql(sql, params={"run": run}).to_arrow_table().to_pylist()
+def _rows(con, sql: str, run_name: str) -> list[dict]:
+    return con.sql(sql, params={"run": run_name}).to_arrow_table().to_pylist()
 
 
-def leaderboard_rows(con, run: str) -> list[dict]:
+def leaderboard_rows(con, run_name: str) -> list[dict]:
     """LEADERBOARD_SQL rows of one run."""
-    return _rows(con, LEADERBOARD_SQL, run)
+    return _rows(con, LEADERBOARD_SQL, run_name)
 
 
-def pair_rows(con, run: str) -> list[dict]:
+def pair_rows(con, run_name: str) -> list[dict]:
     """PAIRS_SQL rows of one run, by env, A, B."""
-    return _rows(con, f"SELECT * FROM ({PAIRS_SQL}) ORDER BY env_id, model_a, model_b", run)
+    return _rows(con, f"SELECT * FROM ({PAIRS_SQL}) ORDER BY env_id, model_a, model_b", run_name)
 
 
 def rdbu(w: float) -> str:
@@ -100,9 +100,9 @@ def games_per_pair(pairs: list[dict]) -> list[dict]:
     return [p for p in pairs if p["model_a"] < p["model_b"]]
 
 
-def views(con, run: str) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+def views(con, run_name: str) -> tuple[dict[str, list[dict]], dict[str, dict]]:
     """The leaderboards per env ('*' first) with the Arena columns, and per env its matrices and pairs."""
-    board_rows, pairs = leaderboard_rows(con, run), pair_rows(con, run)
+    board_rows, pairs = leaderboard_rows(con, run_name), pair_rows(con, run_name)
     envs = sorted({r["env_id"] for r in board_rows}, key=lambda e: (e != "*", e))
     boards = {e: [r for r in board_rows if r["env_id"] == e] for e in envs}
     arena = {}

@@ -85,9 +85,9 @@ LEFT JOIN rating_history h ON h.run = w.run AND h.round = w.round AND h.model_ui
 """
 
 
-def round_curves(con, run: str, round_: Optional[int] = None) -> list[dict]:
+def round_curves(con, run_name: str, round_: Optional[int] = None) -> list[dict]:
     """CURVES_SQL rows of one run (of one round when given), eval rows first within a round."""
-    where, params = ("run = ? AND round = ?", [run, round_]) if round_ is not None else ("run = ?", [run])
+    where, params = ("run = ? AND round = ?", [run_name, round_]) if round_ is not None else ("run = ?", [run_name])
     return _rows(con, f"SELECT * FROM ({CURVES_SQL}) WHERE {where} ORDER BY round, split DESC, opponent", params)
 
 
@@ -143,7 +143,7 @@ def line_chart(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel
     for k, name in enumerate(names):
         pts = sorted(series[name])
         band = sorted((bands or {}).get(name, []))
-        poly = " ".join(f"{sx(x)},{sy(hi)}" for x, _, hi in band) + " " + \
+        poly = " ".join(f"{sx(x)},{sy(hi)}" for x, _, hi in band) + " " +\
             " ".join(f"{sx(x)},{sy(lo)}" for x, lo, _ in reversed(band))
         ci = {x: f" (95% CI {_nice(lo)} .. {_nice(hi)})" for x, lo, hi in band}
         lines.append({"name": name, "color": PALETTE[k % len(PALETTE)], "path": " ".join(f"{sx(x)},{sy(y)}" for x, y in pts),
@@ -188,23 +188,23 @@ def _table_exists(con, name: str) -> bool:
     return bool(con.sql("SELECT count(*) FROM duckdb_views() WHERE view_name = ?", params=[name]).fetchall()[0][0])
 
 
-def gather(lake: Lake, run: str) -> dict[str, Any]:
+def gather(lake: Lake, run_name: str) -> dict[str, Any]:
     """Everything the run page shows, as plain Python values."""
     con = lake.connect()
     try:
-        boards, arena_views = arena.views(con, run)  # ratings rows + Arena columns, per env
-        history = _rows(con, "SELECT * EXCLUDE (run) FROM rating_history WHERE run = ? ORDER BY round, model_uid", [run])
+        boards, arena_views = arena.views(con, run_name)  # ratings rows + Arena columns, per env
+        history = _rows(con, "SELECT * EXCLUDE (run) FROM rating_history WHERE run = ? ORDER BY round, model_uid", [run_name])
         h2h = _rows(con, "SELECT * EXCLUDE (run) FROM head_to_head WHERE run = ? AND env_id = '*' "
-                    "ORDER BY model_a, model_b", [run])
-        ckpts = _rows(con, "SELECT uid, parent_uid, iteration FROM checkpoints WHERE run = ? ORDER BY iteration, uid", [run])
-        curves = round_curves(con, run)
+                    "ORDER BY model_a, model_b", [run_name])
+        ckpts = _rows(con, "SELECT uid, parent_uid, iteration FROM checkpoints WHERE run = ? ORDER BY iteration, uid", [run_name])
+        curves = round_curves(con, run_name)
         per_env = _rows(con, """
             SELECT g.env_id, g.split, count(DISTINCT g.game_id) AS games, avg(g.num_turns) AS game_length,
                    avg((s.reward > 0)::DOUBLE) AS learner_win_rate
             FROM games g LEFT JOIN seats s ON s.game_id = g.game_id AND s.run = g.run AND s.is_learner
-            WHERE g.run = ? GROUP BY ALL ORDER BY g.env_id, g.split""", [run])
-        learner = _learner(con, run)
-        samples = _samples(con, run)
+            WHERE g.run = ? GROUP BY ALL ORDER BY g.env_id, g.split""", [run_name])
+        learner = _learner(con, run_name)
+        samples = _samples(con, run_name)
     finally:
         con.close()
     envs = list(boards)
@@ -220,7 +220,7 @@ def gather(lake: Lake, run: str) -> dict[str, Any]:
     ckpt_chart = line_chart({"mu": [(i, r["mu"]) for i, r in ck_pts], "conservative": [(i, r["conservative"]) for i, r in ck_pts]},
                             "checkpoint iteration", "rating", bands={"mu": [(i, r["mu"] - 3 * r["sigma"], r["mu"] + 3 * r["sigma"])
                                                                             for i, r in ck_pts]})
-    return {"run": run, "envs": envs, "boards": boards, "hist_chart": hist_chart, "ckpt_chart": ckpt_chart,
+    return {"run": run_name, "envs": envs, "boards": boards, "hist_chart": hist_chart, "ckpt_chart": ckpt_chart,
             "heatmap": heatmap(h2h), "arena": arena_views, "curves": curves, "curve_charts": curve_charts(curves), "per_env": per_env,
             "learner": learner, "samples": samples, "checkpoints": ckpts}
 
@@ -273,14 +273,14 @@ def learner_columns(con) -> list[str]:
             and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))]
 
 
-def _learner(con, run: str) -> dict[str, dict]:
+def _learner(con, run_name: str) -> dict[str, dict]:
     """One chart per numeric learner_steps column, averaged per iteration."""
     cols = learner_columns(con)
     if not cols:
         return {}
     # Column names come from the lake's own schema, quoted as identifiers; values stay parameters.
     avgs = ", ".join(f'avg("{c}") AS "{c}"' for c in (c.replace('"', '""') for c in cols))
-    rows = _rows(con, f"SELECT iteration, {avgs} FROM learner_steps WHERE run = ? GROUP BY iteration ORDER BY iteration", [run])
+    rows = _rows(con, f"SELECT iteration, {avgs} FROM learner_steps WHERE run = ? GROUP BY iteration ORDER BY iteration", [run_name])
     charts = {}
     for c in cols:
         pts = [(r["iteration"], r[c]) for r in rows if r[c] is not None and math.isfinite(r[c])]
@@ -289,19 +289,19 @@ def _learner(con, run: str) -> dict[str, dict]:
     return charts
 
 
-def _samples(con, run: str) -> list[dict]:
+def _samples(con, run_name: str) -> list[dict]:
     """A few games per learner model (first by round, game_id), with their turns."""
     models = [r["model_uid"] for r in _rows(con, "SELECT DISTINCT model_uid FROM turns WHERE run = ? AND is_learner "
-                                           "ORDER BY model_uid", [run])]
+                                           "ORDER BY model_uid", [run_name])]
     out = []
     for m in models:
         games = _rows(con, """SELECT game_id, round, env_id, split, seats FROM games WHERE run = ? AND game_id IN
                                   (SELECT game_id FROM turns WHERE run = ? AND model_uid = ? AND is_learner)
-                              ORDER BY round, game_id LIMIT ?""", [run, run, m, SAMPLES_PER_MODEL])
+                              ORDER BY round, game_id LIMIT ?""", [run_name, run_name, m, SAMPLES_PER_MODEL])
         for g in games:
             g["turns"] = _rows(con, """SELECT turn, pid, model_uid, observation, prompt, completion, action, format_ok,
                                               invalid_move FROM turns WHERE run = ? AND game_id = ? ORDER BY turn""",
-                               [run, g["game_id"]])
+                               [run_name, g["game_id"]])
             for t in g["turns"]:
                 for k in ("observation", "prompt", "completion"):
                     if t[k] is not None and len(t[k]) > MAX_TURN_CHARS:
@@ -341,10 +341,10 @@ def _write(path: Path, text: str) -> None:
 
 def report(job: Job) -> Path:
     """Write reports/<run>/index.html for job.run.name and refresh reports/index.html; return the page."""
-    lake, root, run = Lake(job.run.lake), Path(job.run.reports), job.run.name
+    lake, root, run_name = Lake(job.run.lake), Path(job.run.reports), job.run.name
     env = _env()
-    page = root / run / "index.html"
-    _write(page, env.get_template("run.html.j2").render(**gather(lake, run)))
+    page = root / run_name / "index.html"
+    _write(page, env.get_template("run.html.j2").render(**gather(lake, run_name)))
     runs = []
     for d in sorted(p.parent for p in root.glob("*/index.html")):
         runs.append({"name": d.name, "href": f"{d.name}/index.html", **_summary(lake, d.name)})
@@ -352,13 +352,13 @@ def report(job: Job) -> Path:
     return page
 
 
-def _summary(lake: Lake, run: str) -> dict[str, Any]:
+def _summary(lake: Lake, run_name: str) -> dict[str, Any]:
     con = lake.connect()
     try:
         rounds, games = con.sql("SELECT count(DISTINCT round), coalesce(sum(games), 0) FROM rounds WHERE run = ?",
-                                params=[run]).fetchall()[0]
+                                params=[run_name]).fetchall()[0]
         top = _rows(con, "SELECT model_uid, conservative FROM ratings WHERE run = ? AND env_id = '*' "
-                    "ORDER BY conservative DESC, model_uid LIMIT 1", [run])
+                    "ORDER BY conservative DESC, model_uid LIMIT 1", [run_name])
     finally:
         con.close()
     return {"rounds": rounds, "games": games, "top": top[0] if top else None}

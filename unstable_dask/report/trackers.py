@@ -58,15 +58,15 @@ def _clean(row: dict) -> dict:
             and math.isfinite(v)}
 
 
-def lake_series(lake: Lake, run: str) -> dict[str, list[dict]]:
+def lake_series(lake: Lake, run_name: str) -> dict[str, list[dict]]:
     """The rows a tracker mirrors, per series, in step order; each row holds its step key."""
     con = lake.connect()
     try:
         def rows(sql: str) -> list[dict]:
-            return con.sql(sql, params=[run]).to_arrow_table().to_pylist()
+            return con.sql(sql, params=[run_name]).to_arrow_table().to_pylist()
         commits = rows("""SELECT round, checkpoint_uid, games, turns, tasks, completion_tokens,
                               epoch(committed_at) - epoch(started_at) AS wall_s FROM rounds WHERE run = ? ORDER BY round""")
-        curves = report.round_curves(con, run)
+        curves = report.round_curves(con, run_name)
         history = rows("""SELECT round, model_uid, mu, sigma, conservative FROM rating_history
                           WHERE run = ? AND env_id = '*' ORDER BY round, model_uid""")
         cols = report.learner_columns(con)

@@ -1,0 +1,212 @@
+"""The transformers backend: batched `generate`, left-padded, behaviour log-probs recorded, peft
+LoRA adapters hot-swapped on one resident copy of the weights. Portable (CPU, one GPU, macOS).
+"""
+from __future__ import annotations
+
+import gc
+import threading
+from collections import OrderedDict
+from contextlib import nullcontext
+from typing import Any, Optional
+
+from unstable_dask.config import ModelConfig
+from unstable_dask.inference import engine as engines
+from unstable_dask.inference.engine import Adapter, Generation, chat_prompt, check_adapter, encode_prompts, prompt_budget
+from unstable_dask.inference.weights import resolve_model
+
+MAX_RESIDENT_ADAPTERS = 16  # least recently used adapters beyond this are unloaded
+_HF_MODELS: dict[tuple[str, str], "HFModel"] = {}  # (model path, dtype) -> resident weights
+
+
+def make_engine(cfg: ModelConfig) -> "HFEngine":
+    """An engine view for `cfg` on this process's resident weights of (model, dtype)."""
+    key = (resolve_model(cfg.base), cfg.dtype)
+    if key not in _HF_MODELS:
+        _HF_MODELS[key] = HFModel(*key)
+    return HFEngine(cfg, _HF_MODELS[key])
+
+
+def _behaviour_logprob_processor(temperature: float, top_p: float):
+    """A logits processor that replaces the scores by the behaviour log-probs and records the sampled ones.
+
+    It returns `sampling_logprobs(scores, temperature, top_p)` (normalised log-probs, -inf outside
+    the nucleus) with generate's own warpers switched off, so generate draws each token from
+    exactly the distribution whose log-prob is recorded: one computation, not two.
+    """
+    import torch
+    from transformers import LogitsProcessor
+
+    from unstable_dask.inference.sampling import sampling_logprobs
+
+    class BehaviourLogprobs(LogitsProcessor):
+        def __init__(self) -> None:
+            self.prev: Optional[torch.Tensor] = None  # log-probs of the step whose token is not known yet
+            self.steps: list[torch.Tensor] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if self.prev is not None:  # input_ids now end with the token sampled from `prev`
+                self.steps.append(self.prev.gather(1, input_ids[:, -1:])[:, 0])
+            self.prev = sampling_logprobs(scores, temperature, top_p)
+            return self.prev
+
+        def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+            """(batch, new_tokens) log-probs, once generate has returned."""
+            if self.prev is not None:
+                self.steps.append(self.prev.gather(1, sequences[:, -1:])[:, 0])
+            return torch.stack(self.steps, dim=1)
+
+    return BehaviourLogprobs()
+
+
+class HFModel:
+    """Weights, tokenizer and loaded adapters of one model in this process (shared by engines)."""
+
+    def __init__(self, path: str, dtype: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        # Stop at the tokenizer's EOS and at any EOS the checkpoint declares (e.g. <|endoftext|>).
+        declared = self.base.generation_config.eos_token_id
+        declared = declared if isinstance(declared, list) else [declared]
+        self.eos_ids = sorted({self.tokenizer.eos_token_id, *declared} - {None})
+        # Sampling comes from ModelConfig only: drop the checkpoint's defaults (top_k, penalties...).
+        self.base.generation_config = GenerationConfig(eos_token_id=self.eos_ids,
+                                                       pad_token_id=self.tokenizer.pad_token_id)
+        self.model: Any = self.base  # becomes a PeftModel once an adapter is loaded
+        self.adapters: OrderedDict[str, tuple[str, str]] = OrderedDict()  # name -> (peft slot, path)
+        self.n_slots = 0
+        self.sleeping = False
+        self.lock = threading.Lock()  # one generate at a time: the active adapter is model state
+
+    def use(self, adapter: Optional[Adapter]):
+        """Make `adapter` (or the bare base model) active; returns a context to run generate in."""
+        from peft import PeftModel
+
+        if adapter is None:
+            return self.model.disable_adapter() if isinstance(self.model, PeftModel) else nullcontext()
+        known = self.adapters.get(adapter.name)
+        if known is None or known[1] != adapter.path:
+            check_adapter(adapter)
+            # peft slot names are module keys: use our own safe, never-reused names.
+            slot = f"adapter{self.n_slots}"
+            self.n_slots += 1
+            if isinstance(self.model, PeftModel):
+                self.model.load_adapter(adapter.path, adapter_name=slot)
+            else:
+                self.model = PeftModel.from_pretrained(self.base, adapter.path, adapter_name=slot)
+            self.model.set_adapter(slot)  # before any delete: peft complains when the active one goes
+            if known is not None:  # same name, new path: the new weights replace the old ones
+                self.model.delete_adapter(known[0])
+            self.adapters[adapter.name] = (slot, adapter.path)
+            while len(self.adapters) > MAX_RESIDENT_ADAPTERS:
+                _, (old_slot, _) = self.adapters.popitem(last=False)
+                self.model.delete_adapter(old_slot)
+            self.model.eval()
+        self.adapters.move_to_end(adapter.name)
+        self.model.set_adapter(self.adapters[adapter.name][0])
+        return nullcontext()
+
+    def to(self, device: Any) -> None:
+        import torch
+
+        self.model.to(device)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+class HFEngine:
+    """transformers `generate`: batched, left-padded, behaviour log-probs, peft LoRA hot-swap."""
+
+    def __init__(self, cfg: ModelConfig, hf: HFModel) -> None:
+        self.cfg = cfg
+        self.hf = hf
+        self.tokenizer = self.hf.tokenizer
+
+    def chat_prompt(self, user_text: str) -> str:
+        return chat_prompt(self.tokenizer, user_text)
+
+    def generate(self, prompts: list[str], adapter: Optional[Adapter] = None,
+                 seed: Optional[int] = None) -> list[Generation]:
+        import torch
+
+        ids = encode_prompts(self.tokenizer, prompts, prompt_budget(self.cfg))
+        # Longest first, so each chunk holds similar lengths and little padding.
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        results: list[Optional[Generation]] = [None] * len(ids)
+        with self.hf.lock:
+            if self.hf.sleeping:
+                self.wake_up()
+            with self.hf.use(adapter), torch.inference_mode():
+                for start in range(0, len(order), self.cfg.hf_max_batch):
+                    chunk = order[start:start + self.cfg.hf_max_batch]
+                    # A fresh seed per chunk keeps a chunk's samples independent of the chunks before it.
+                    cuda = [torch.cuda.current_device()] if self.hf.device.type == "cuda" else []
+                    rng = torch.random.fork_rng(devices=cuda) if seed is not None else nullcontext()
+                    with rng:
+                        if seed is not None:
+                            torch.manual_seed(seed + start)
+                        gens = self._generate_chunk([ids[i] for i in chunk])
+                    for i, g in zip(chunk, gens):
+                        results[i] = g
+        return results  # type: ignore[return-value]
+
+    def _generate_chunk(self, batch: list[list[int]]) -> list[Generation]:
+        import torch
+
+        cfg, hf = self.cfg, self.hf
+        width = max(len(x) for x in batch)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch], device=hf.device)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch], device=hf.device)
+        recorder = _behaviour_logprob_processor(cfg.temperature, cfg.top_p)
+        # The recorder already returns the behaviour distribution: generate must not warp it again.
+        sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if cfg.temperature > 0 else {}
+        seqs = hf.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
+                                 logits_processor=[recorder], eos_token_id=hf.eos_ids, pad_token_id=pad,
+                                 **sampling)
+        new = seqs[:, width:]
+        logprobs = recorder.finish(new).tolist()
+        eos = torch.isin(new, torch.tensor(hf.eos_ids, device=new.device))
+        out = []
+        for row, x in enumerate(batch):
+            hits = eos[row].nonzero()
+            n = int(hits[0]) + 1 if len(hits) else new.shape[1]
+            tokens = new[row, :n].tolist()
+            out.append(Generation(text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                                  prompt_tokens=len(x), completion_tokens=n,
+                                  truncated=not len(hits), logprobs=logprobs[row][:n], token_ids=tokens))
+        return out
+
+    def sleep(self) -> None:
+        if self.hf.device.type == "cuda" and not self.hf.sleeping:
+            self.hf.to("cpu")
+            self.hf.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.hf.sleeping:
+            self.hf.to(self.hf.device)
+            self.hf.sleeping = False
+
+    def close(self) -> None:
+        # Every engine view on these weights goes with them.
+        engines.forget(lambda e: getattr(e, "hf", None) is self.hf)
+        for key in [k for k, v in _HF_MODELS.items() if v is self.hf]:
+            del _HF_MODELS[key]
+        self.hf.model = self.hf.base = None
+        gc.collect()
+        try:
+            import torch
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:
+            pass
+
+
