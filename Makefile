@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install test-deps slurm-up slurm-down slurm-test vllm-cpu-test gpu-check bench clean-lake
+.PHONY: demo test lint install test-deps slurm-up slurm-down slurm-test vllm-cpu-test gpu-check bench clean-lake
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,11 @@ test-deps:
 
 test: install test-deps
 	$(PY) -m pytest -q -rs
+
+# ruff (lint + import order) and mypy (the package), both configured in pyproject.toml.
+lint: install
+	$(PY) -m ruff check unstable_dask tests bench
+	$(PY) -m mypy
 
 slurm-up:
 	bash scripts/slurm-localhost.sh start

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
-from common import row, save
 
 from unstable_dask.lake import Lake, read
 from unstable_dask.lake.maintain import compact, vacuum
 from unstable_dask.learn.rewards import batch_query
+
+from common import row, save
 
 RUN = "bench"
 TURNS_PER_GAME = 6
@@ -87,11 +88,11 @@ def measure(lake: Path, rounds: int, reps: int) -> dict:
     sql = dict(QUERIES, batch=batch_query(RUN, [rounds - 1], 32, 7, [], [], [], unit="turn"))
     out = {}
     for name, connect in (("delta", lambda: Lake(lake).connect()), ("plain", lambda: plain_connect(lake))):
-        res = {"connect": timed(lambda: connect().close(), reps)}
+        res = {"connect": timed(lambda c=connect: c().close(), reps)}
         con = connect()
         answers = {}
         for q, text in sql.items():
-            res[q] = timed(lambda: con.sql(text).fetchall(), reps)
+            res[q] = timed(lambda c=con, t=text: c.sql(t).fetchall(), reps)
             answers[q] = con.sql(text).fetchall()
         out[name], out[f"{name}_answers"] = res, answers
     assert out["delta_answers"] == out["plain_answers"], "Delta and plain readers disagree"

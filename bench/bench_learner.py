@@ -13,10 +13,11 @@ import time
 
 import pyarrow as pa
 import torch
-from common import row, save
 
 from unstable_dask.jobfile import validate_job
 from unstable_dask.learn.trainer import Trainer
+
+from common import row, save
 
 
 def make_batch(tokenizer, n: int) -> pa.Table:

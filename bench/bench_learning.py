@@ -93,9 +93,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from rich.console import Console
+
+    from unstable_dask.cli import parse_set
     from unstable_dask.jobfile import load_job
     from unstable_dask.loop import loop
-    from unstable_dask.cli import parse_set
     job = load_job(args.job, parse_set(args.set))
     t0 = time.perf_counter()
     loop(job, rounds=args.rounds, console=Console(stderr=True))

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
 from common import row, save
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -30,13 +31,14 @@ def main() -> None:
     ap.add_argument("--backend", default="hf", choices=["hf", "vllm"])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    from unstable_dask.lake import Lake
+    from transformers import AutoTokenizer
+
     from unstable_dask.cluster.client import open_client
     from unstable_dask.inference.engine import encode_prompts
-    from unstable_dask.jobfile import load_job
     from unstable_dask.inference.weights import resolve_model
+    from unstable_dask.jobfile import load_job
+    from unstable_dask.lake import Lake
     from unstable_dask.play.round import play_round
-    from transformers import AutoTokenizer
 
     settings = [(0.7, 0.95), (0.9, 0.95), (1.0, 0.9)]
     out = []

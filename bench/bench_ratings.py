@@ -24,13 +24,13 @@ import trueskill
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-import synthetic_lake as sl  # noqa: E402
-from common import save  # noqa: E402
-
+from unstable_dask.jobfile import default_job  # noqa: E402
 from unstable_dask.lake import Lake  # noqa: E402
 from unstable_dask.rate import ratings  # noqa: E402
-from unstable_dask.jobfile import default_job  # noqa: E402
 from unstable_dask.skill import make_env  # noqa: E402
+
+import synthetic_lake as sl  # noqa: E402
+from common import save  # noqa: E402
 
 ENVS = ["SimpleTak-v0-train", "KuhnPoker-v0-train", "TicTacToe-v0-train", "ConnectFour-v0-train"]
 

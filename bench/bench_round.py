@@ -39,14 +39,15 @@ def main() -> None:
     args = ap.parse_args()
 
     import duckdb
+
     from unstable_dask.cluster.client import open_client
-    from unstable_dask.lake import Lake
-    from unstable_dask.jobfile import load_job
     from unstable_dask.inference.engine import get_engine
-    from unstable_dask.play.task import play_task
-    from unstable_dask.play.round import play_round
+    from unstable_dask.jobfile import load_job
+    from unstable_dask.lake import Lake
     from unstable_dask.play.opponents import list_checkpoints
+    from unstable_dask.play.round import play_round
     from unstable_dask.play.schedule import schedule_round
+    from unstable_dask.play.task import play_task
 
     tmp = tempfile.mkdtemp(prefix="bench-round-")
     over = {"run.lake": f"{tmp}/a", "round.train_games": args.games, "round.eval_games": 0,

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from common import row, save
 
 from unstable_dask.lake import Lake
 from unstable_dask.learn.algorithms.reinforce import Config as LearnConfig
 from unstable_dask.learn.rewards import batch_query, parse_transforms, run_batch_query, window_rounds
+
+from common import row, save
 
 RUN = "bench"
 

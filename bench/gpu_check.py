@@ -208,8 +208,8 @@ def main() -> None:
 def _round_stage(job, warm, result: dict) -> dict:
     """1. a round (after a warm-up round on its own lake: engine load and first kernels out of the
     figure) vs the backend's own generate on the round's prompts, in the same worker."""
-    from unstable_dask.lake import Lake
     from unstable_dask.cluster.client import open_client
+    from unstable_dask.lake import Lake
     from unstable_dask.play.round import play_round
     n_games = job.round.train_games + job.round.eval_games
     with open_client(job.cluster) as client:
@@ -242,8 +242,8 @@ def _loop_stage(ljob) -> dict:
 
 def _learn_once(job_path: str, over: dict) -> dict:
     """One learner update in this (fresh) process; its learner_steps row."""
-    from unstable_dask.lake import Lake
     from unstable_dask.jobfile import load_job
+    from unstable_dask.lake import Lake
     from unstable_dask.learn.learner import learn
     job = load_job(job_path, over)
     learn(job)

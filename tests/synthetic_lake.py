@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from unstable_dask.lake import Lake, catalog
+
 HOSTILE = [
     "<script>window.__pwned = 1</script>",
     '<img src=x onerror="window.__pwned = 2">',

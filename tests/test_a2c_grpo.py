@@ -12,13 +12,15 @@ import pyarrow as pa
 import pytest
 import torch
 
-import test_reinforce
-from test_reinforce import ADV, CPU, PROMPTS, TOL, Bigram, as_batch, batch, hand, models
 from unstable_dask.learn.algorithms import a2c
 from unstable_dask.learn.algorithms.a2c import gae, turn_rewards
-from unstable_dask.learn.algorithms.grpo import Config as GRPOConfig, update
-from unstable_dask.learn.tokens import behaviour_logprobs
+from unstable_dask.learn.algorithms.grpo import Config as GRPOConfig
+from unstable_dask.learn.algorithms.grpo import update
 from unstable_dask.learn.rewards import NormalizeRewards, NormalizeRewardsByEnv, transform_values
+from unstable_dask.learn.tokens import behaviour_logprobs
+
+import test_reinforce
+from test_reinforce import ADV, CPU, PROMPTS, TOL, Bigram, as_batch, batch, hand, models
 
 COMPLETIONS = [tokens for _, tokens in test_reinforce.COMPLETIONS]
 

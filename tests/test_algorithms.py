@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from unstable_dask.learn import algorithms
 from unstable_dask.errors import JobError
 from unstable_dask.jobfile import load_job
+from unstable_dask.learn import algorithms
 
 
 @pytest.mark.parametrize("name", list(algorithms.ALGORITHMS))

@@ -9,12 +9,12 @@ from itertools import combinations
 from pathlib import Path
 
 import pytest
-
 from test_report import opened
+
+from unstable_dask.jobfile import load_job
 from unstable_dask.lake import Lake
 from unstable_dask.rate import ratings
 from unstable_dask.report import report
-from unstable_dask.jobfile import load_job
 
 
 def _counts(games: list[dict]) -> dict[tuple[str, str, str], list[int]]:
@@ -64,10 +64,10 @@ def test_arena_views_show_the_lakes_counts(tmp_path: Path, local_client) -> None
     models = {"base", "ckpt-1", "random"}
     assert {a for _, a, _ in counts} == models
     expect = {}  # (env, a, b) -> (win fraction or None, decisive games)
-    for (env, a, b), (w, d, l) in counts.items():
-        expect[(env, a, b)] = (w / (w + l) if w + l else None, w + l)
+    for (env, a, b), (w, _, lost) in counts.items():
+        expect[(env, a, b)] = (w / (w + lost) if w + lost else None, w + lost)
     avg = defaultdict(list)
-    for (env, a, b), (wf, _) in expect.items():
+    for (env, a, _), (wf, _) in expect.items():
         if wf is not None:
             avg[(env, a)].append(wf)
     rated = {(r["env_id"], r["model_uid"]): r["rank"] for r in

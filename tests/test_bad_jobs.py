@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from unstable_dask import cli as run
+
 BAD = sorted((Path(__file__).parent / "bad_jobs").glob("*.toml"))
 
 
@@ -24,8 +25,8 @@ def test_corpus_is_large():
 def imported():
     """The modules a `round` command imports, loaded once: each case then times its own checks."""
     import unstable_dask.learn.learner  # noqa: F401
-    import unstable_dask.rate.ratings  # noqa: F401
     import unstable_dask.play.round  # noqa: F401
+    import unstable_dask.rate.ratings  # noqa: F401
 
 
 @pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])

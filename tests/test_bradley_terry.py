@@ -9,6 +9,8 @@ import pytest
 from scipy.optimize import minimize
 
 from unstable_dask.rate import bradley_terry as bt
+
+
 def synthetic_pairs(theta: dict[str, float], games: int, seed: int, draw: float = 0.1) -> list[tuple]:
     rng = random.Random(seed)
     names = sorted(theta)

@@ -10,11 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
-from unstable_dask.lake import Lake
 from unstable_dask.cluster.client import job_script, local_gpu_workers, open_client, task_resources, visible_gpus
 from unstable_dask.config import ClusterConfig
 from unstable_dask.errors import JobError
-
+from unstable_dask.lake import Lake
 
 # ---------------------------------------------------------------- GPU discovery and local-gpu
 

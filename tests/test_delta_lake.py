@@ -7,12 +7,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from unstable_dask.lake import catalog
-from unstable_dask.lake import delta as dl
-from unstable_dask.lake import Lake
-from unstable_dask.lake import commit
-from unstable_dask.lake.commit import now
 from unstable_dask.errors import JobError
+from unstable_dask.lake import Lake, catalog, commit
+from unstable_dask.lake import delta as dl
+from unstable_dask.lake.commit import now
 from unstable_dask.lake.maintain import checksums, compact, vacuum
 from unstable_dask.lake.migrate import migrate
 

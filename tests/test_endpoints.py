@@ -15,13 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from unstable_dask.config import EndpointConfig, ModelConfig, RoundConfig
-
 from unstable_dask.errors import JobError
 from unstable_dask.jobfile import load_job
 from unstable_dask.lake import Lake
-from unstable_dask.play.task import play_task
 from unstable_dask.play.opponents import Endpoint, RandomAgent
 from unstable_dask.play.schedule import GameSpec, TaskSpec
+from unstable_dask.play.task import play_task
 
 KEY = "sk-test-5f0c1e7d9a2b4c6e8f10"  # what a leak would look like: grepped for in the lake
 ANSWER = "I check. \\boxed{[check]}"

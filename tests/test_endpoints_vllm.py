@@ -124,9 +124,9 @@ def test_a_round_against_a_served_model_commits_and_keeps_the_key_out(tmp_path, 
     from rich.console import Console
 
     from unstable_dask.lake import Lake
+    from unstable_dask.play.round import play_round
     from unstable_dask.rate.ratings import rate
     from unstable_dask.report.report import report
-    from unstable_dask.play.round import play_round
     monkeypatch.setenv("TINY_ENDPOINT_KEY", KEY)
     caplog.set_level(logging.DEBUG)
     out = io.StringIO()

@@ -6,11 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import logprob_check
-from adapters import completion_logits, draw_statistics, random_adapters, recompute_logprobs, sample_prompts, texts
-
 from unstable_dask.config import ModelConfig
 from unstable_dask.inference.engine import Adapter, encode_prompts, get_engine, prompt_budget
+
+import logprob_check
+from adapters import completion_logits, draw_statistics, random_adapters, recompute_logprobs, sample_prompts, texts
 
 GREEDY = ModelConfig(temperature=0.0, max_new_tokens=12, max_model_len=256, hf_max_batch=8)
 
@@ -174,7 +174,8 @@ def test_tiny_top_p_keeps_only_the_top_token(engine):
 
 def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     """vLLM is not installed here: a stand-in with vLLM's offline API exercises our glue code."""
-    from unstable_dask.config import LoraConfig as LoraCfg, VllmConfig
+    from unstable_dask.config import LoraConfig as LoraCfg
+    from unstable_dask.config import VllmConfig
 
     calls: dict = {}
 

@@ -11,12 +11,11 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from unstable_dask.lake import Lake
-from unstable_dask.lake import catalog, commit
-from unstable_dask.lake.commit import now
 from unstable_dask.config import ClusterConfig
 from unstable_dask.errors import JobError
 from unstable_dask.jobfile import load_job
+from unstable_dask.lake import Lake, catalog, commit
+from unstable_dask.lake.commit import now
 from unstable_dask.lake.migrate import migrate
 from unstable_dask.play.round import play_round
 
@@ -228,7 +227,7 @@ def _assert_learner_consistent(lake: Path):
     con = Lake(lake).connect()
     cks = con.sql("SELECT iteration, uid, adapter_path FROM checkpoints ORDER BY 1").fetchall()
     assert [c[0] for c in cks] == list(range(1, len(cks) + 1))
-    for _, uid, rel in cks:
+    for _, _uid, rel in cks:
         d = lake / rel
         assert (d / "adapter_config.json").is_file() and (d / "optimizer.pt").is_file(), d
     steps = con.sql("SELECT DISTINCT iteration FROM learner_steps ORDER BY 1").fetchall()

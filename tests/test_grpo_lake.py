@@ -11,12 +11,13 @@ from collections import defaultdict
 import pytest
 import torch
 
-import logprob_check
-from unstable_dask.lake import Lake
 from unstable_dask.jobfile import load_job
+from unstable_dask.lake import Lake
 from unstable_dask.learn.learner import build_query, learn, plan
 from unstable_dask.learn.rewards import run_batch_query
 from unstable_dask.play.round import play_round
+
+import logprob_check
 
 pytestmark = pytest.mark.slow
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from unstable_dask.inference.sampling import sampling_logprobs
+from unstable_dask.learn.algorithms import grpo, gspo
+
 from test_a2c_grpo import BigramWithBase, _logp, _steps, grpo_hand
 from test_reinforce import ADV, CPU, TOL, as_batch, batch, hand, models
-from unstable_dask.learn.algorithms import grpo
-from unstable_dask.learn.algorithms import gspo
-from unstable_dask.inference.sampling import sampling_logprobs
 
 
 def _per_sample(values):

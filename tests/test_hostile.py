@@ -6,13 +6,12 @@ import random
 import pytest
 
 from unstable_dask.inference import engine as engines
-
-from unstable_dask.lake import Lake
-from unstable_dask.jobfile import load_job
 from unstable_dask.inference.engine import Generation
-from unstable_dask.play.task import play_task
+from unstable_dask.jobfile import load_job
+from unstable_dask.lake import Lake
 from unstable_dask.play.opponents import list_checkpoints
 from unstable_dask.play.schedule import schedule_round
+from unstable_dask.play.task import play_task
 
 SEEDS = [
     "", " ", "\\boxed{", "\\boxed{\\boxed{", "\\boxed{}", "}" * 50, "x" * 100_000, "\\boxed{" * 5_000,

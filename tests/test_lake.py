@@ -7,6 +7,8 @@ import pytest
 
 from unstable_dask.lake import Lake
 from unstable_dask.lake.commit import now
+
+
 def _game(gid: str, reward: float = 1.0) -> dict:
     t = now()
     seat = lambda pid, r: dict(pid=pid, model_uid="base", is_learner=True, role=f"Player {pid}", reward=r,

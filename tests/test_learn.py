@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
-
 import test_rewards
+import torch
 from test_rewards import RUN
-from unstable_dask.lake import Lake
+
 from unstable_dask.errors import JobError
 from unstable_dask.jobfile import validate_job
+from unstable_dask.lake import Lake
 from unstable_dask.learn.learner import build_query, learn, plan
 from unstable_dask.learn.rewards import run_batch_query
 

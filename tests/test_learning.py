@@ -29,10 +29,9 @@ from __future__ import annotations
 
 import pytest
 
-from unstable_dask.lake import Lake
 from unstable_dask.jobfile import validate_job
+from unstable_dask.lake import Lake
 from unstable_dask.loop import loop
-
 
 # (round, learn) settings per algorithm; grpo and gspo keep their default transforms (GroupRelativeAdvantage).
 PPO = {"batch_size": 256, "updates_per_round": 1, "ppo_epochs": 2, "ppo_mini_batch_size": 64}  # the whole round

@@ -3,8 +3,9 @@ nucleus-boundary flip, and still fails the nucleus rules that are wrong by one t
 import pytest
 import torch
 
-import logprob_check
 from unstable_dask.inference.sampling import sampling_logprobs
+
+import logprob_check
 
 T, TOP_P = 0.7, 0.95
 

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import trueskill
 
-from unstable_dask.lake import Lake
 from unstable_dask.jobfile import load_job
+from unstable_dask.lake import Lake
 from unstable_dask.learn.learner import learn
-from unstable_dask.rate.ratings import rate
-from unstable_dask.play.round import play_round
 from unstable_dask.play.opponents import OpponentPool, list_checkpoints
+from unstable_dask.play.round import play_round
+from unstable_dask.rate.ratings import rate
 
 
 def _job(tmp_path, **over):

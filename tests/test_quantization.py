@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from unstable_dask.learn import learner as learn_mod
 from unstable_dask.errors import JobError
 from unstable_dask.jobfile import load_job
+from unstable_dask.learn import learner as learn_mod
 
 
 def test_quantization_values_are_checked_on_load() -> None:
@@ -61,8 +61,8 @@ def test_a_quantized_learner_writes_a_standard_adapter(bits: str, tmp_path: Path
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from unstable_dask.lake import Lake
     from unstable_dask.inference.weights import resolve_model
+    from unstable_dask.lake import Lake
     from unstable_dask.play.round import play_round
     job = load_job("jobs/demo.toml", {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),
                                       "round.train_games": 16, "round.eval_games": 0, "model.max_new_tokens": 12,

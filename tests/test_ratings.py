@@ -8,13 +8,13 @@ import pyarrow.parquet as pq
 import pytest
 import trueskill
 
-import synthetic_lake as sl
-from unstable_dask.rate import duels
-from unstable_dask.skill import make_env
-from unstable_dask.lake import Lake
-from unstable_dask.rate import ratings
 from unstable_dask.errors import JobError
 from unstable_dask.jobfile import default_job
+from unstable_dask.lake import Lake
+from unstable_dask.rate import duels, ratings
+from unstable_dask.skill import make_env
+
+import synthetic_lake as sl
 
 RUN = "syn"
 FILES = [("ratings", "ratings"), ("rating_history", "rating_history"), ("head_to_head", "head_to_head"),

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from unstable_dask.learn.algorithms import Batch
+from unstable_dask.learn.algorithms.reinforce import Config as ReinforceConfig
+from unstable_dask.learn.algorithms.reinforce import update
 from unstable_dask.learn.tokens import Tokens, behaviour_logprobs, tokenize
-from unstable_dask.learn.algorithms.reinforce import Config as ReinforceConfig, update
 
 V = 5
 

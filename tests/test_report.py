@@ -9,10 +9,11 @@ from typing import Any, Iterator
 
 import pytest
 
-import synthetic_lake as sl
+from unstable_dask.jobfile import default_job
 from unstable_dask.rate import ratings
 from unstable_dask.report import report
-from unstable_dask.jobfile import default_job
+
+import synthetic_lake as sl
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -133,8 +134,8 @@ def _assert_tips(shown: list[str], expected: list[str]) -> None:
 def test_learning_curves_show_the_lakes_numbers(tmp_path: Path, local_client) -> None:
     """Real tiny-model rounds (WinningNumber vs the random agent: wins, draws and losses all occur),
     a learner update between them; the curves in Chromium carry the numbers the lake holds."""
-    from unstable_dask.lake import Lake
     from unstable_dask.jobfile import load_job
+    from unstable_dask.lake import Lake
     from unstable_dask.learn.learner import learn
     from unstable_dask.loop import round_summary
     from unstable_dask.play.round import play_round

@@ -10,12 +10,22 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from unstable_dask.lake import Lake
 from unstable_dask.errors import JobError
-from unstable_dask.learn.rewards import (GroupRelativeAdvantage, NormalizeRewards, NormalizeRewardsByEnv,
-                                   PenaltyForInvalidMove, RewardForFormat, RoleAdvantageByEnvFormatter,
-                                   RoleAdvantageFormatter, batch_query, parse_transform, parse_transforms,
-                                   run_batch_query, window_rounds)
+from unstable_dask.lake import Lake
+from unstable_dask.learn.rewards import (
+    GroupRelativeAdvantage,
+    NormalizeRewards,
+    NormalizeRewardsByEnv,
+    PenaltyForInvalidMove,
+    RewardForFormat,
+    RoleAdvantageByEnvFormatter,
+    RoleAdvantageFormatter,
+    batch_query,
+    parse_transform,
+    parse_transforms,
+    run_batch_query,
+    window_rounds,
+)
 
 RUN = "t"
 

@@ -5,13 +5,13 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-from unstable_dask.lake import Lake
-from unstable_dask.jobfile import load_job
-from unstable_dask.play.task import play_task
-from unstable_dask.play.round import play_round, round_stats
 from unstable_dask.config import BASE_UID, RANDOM_UID
+from unstable_dask.jobfile import load_job
+from unstable_dask.lake import Lake
 from unstable_dask.play.opponents import RandomAgent, list_checkpoints
+from unstable_dask.play.round import play_round, round_stats
 from unstable_dask.play.schedule import GameSpec, TaskSpec, schedule_round
+from unstable_dask.play.task import play_task
 
 
 def _job(tmp_path, **over):
@@ -203,13 +203,14 @@ def test_round_plays_groups_with_exact_tokens(tmp_path, local_client):
     # Exact tokens: the stored text is the decode of the stored ids; the random agent has none.
     rows = con.sql("""SELECT model_uid, prompt, prompt_tokens, completion, completion_tokens, completion_token_ids,
                              logprobs FROM turns ORDER BY game_id, turn""").to_arrow_table().to_pylist()
-    from transformers import AutoTokenizer
     import torch
+    from transformers import AutoTokenizer
+
+    from unstable_dask.inference.engine import encode_prompts
+    from unstable_dask.inference.weights import resolve_model
 
     import logprob_check
     from adapters import completion_logits
-    from unstable_dask.inference.engine import encode_prompts
-    from unstable_dask.inference.weights import resolve_model
     path = resolve_model(job.model.base)
     tok = AutoTokenizer.from_pretrained(path)
     model_rows = [r for r in rows if r["model_uid"] != RANDOM_UID]

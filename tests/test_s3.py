@@ -15,8 +15,10 @@ import pytest
 pytest.importorskip("moto", reason="the S3 tests need moto[s3] and flask (the [dev] extra)")
 pytest.importorskip("s3fs", reason="DuckDB reads an s3:// lake through s3fs (the [s3] extra)")
 
-from unstable_dask.lake import Lake
-from unstable_dask.lake import storage  # noqa: E402
+from unstable_dask.lake import (
+    Lake,
+    storage,  # noqa: E402
+)
 
 BUCKET = "lake"
 
@@ -100,6 +102,7 @@ def test_a_deleted_file_of_a_committed_round_on_s3_is_named(s3):
 
 def test_compact_vacuum_and_time_travel_on_s3(s3):
     from test_delta_lake import _round
+
     from unstable_dask.lake.maintain import checksums, compact, vacuum
     lake = s3()
     for rnd in range(2):
@@ -122,9 +125,9 @@ def test_round_learn_round_rate_report_on_s3(s3, tmp_path, monkeypatch):
     checkpoints, the report renders; nothing of the lake on local disk."""
     from unstable_dask.jobfile import load_job
     from unstable_dask.learn.learner import learn
+    from unstable_dask.play.round import play_round
     from unstable_dask.rate.ratings import rate
     from unstable_dask.report.report import report
-    from unstable_dask.play.round import play_round
     monkeypatch.chdir(tmp_path)  # a lake URI mistaken for a path would appear here as ./s3:
     lake = s3()
     prefix = lake.split("/", 3)[3]

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
-from unstable_dask.lake import Lake
 from unstable_dask.jobfile import load_job
+from unstable_dask.lake import Lake
 from unstable_dask.play.opponents import Checkpoint
 from unstable_dask.play.schedule import schedule_games
 

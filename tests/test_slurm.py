@@ -15,9 +15,9 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from unstable_dask.lake import Lake
 from unstable_dask.cluster.client import open_client, task_resources
 from unstable_dask.jobfile import load_job
+from unstable_dask.lake import Lake
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "slurm-localhost.sh"
 DIR = os.environ.get("SLURM_LOCAL_DIR", "/tmp/unstable-dask-slurm")

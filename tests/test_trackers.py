@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-import synthetic_lake as sl
+from unstable_dask.errors import JobError
+from unstable_dask.jobfile import default_job, load_job
 from unstable_dask.lake import Lake
 from unstable_dask.rate import ratings
 from unstable_dask.report import trackers
-from unstable_dask.errors import JobError
-from unstable_dask.jobfile import default_job, load_job
+
+import synthetic_lake as sl
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")

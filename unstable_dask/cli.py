@@ -11,15 +11,14 @@ import json
 import logging
 import os
 import sys
-import tomllib
 from typing import Any, Optional
 
+import tomllib
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from unstable_dask.config import Job
-
 from unstable_dask.errors import JobError
 from unstable_dask.jobfile import load_job
 from unstable_dask.lake import Lake
@@ -196,7 +195,7 @@ def cmd_cluster(args) -> None:
         print(cluster.job_script(job.cluster))
         return
     with cluster.open_client(job.cluster) as client:
-        console.print(f"scheduler: {client.scheduler.address}  dashboard: {client.dashboard_link}")
+        console.print(f"scheduler: {client.scheduler_info()['address']}  dashboard: {client.dashboard_link}")
         console.print(f"workers: {len(client.scheduler_info()['workers'])}")
 
 

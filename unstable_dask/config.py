@@ -13,10 +13,7 @@ import math
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator,
-                      model_validator)
-
-
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 # Limits, one place (README, "Job files"). Far past any real run; they turn a typo into an error at
 # load instead of a scheduler that never ends or a number the lake cannot store.

@@ -4,16 +4,16 @@ either loads whole or fails at once with one line naming the file, the key and t
 """
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import tomllib
 from pydantic import ValidationError
 
-from unstable_dask.learn import algorithms
-from unstable_dask.play.prompts import TEMPLATE_NAMES
 from unstable_dask.config import Job, reserved_uid
 from unstable_dask.errors import JobError
+from unstable_dask.learn import algorithms
+from unstable_dask.play.prompts import TEMPLATE_NAMES
 
 
 def _loc(loc: tuple) -> str:
@@ -144,7 +144,7 @@ def check_learn_sql(job: Job) -> None:
         try:  # the query the learner runs, algorithm-specific steps included
             run_batch_query(con, build_query(job, Plan(run_name, 1, "ckpt-1", "base", None, [0]), 0, con))
             if algorithms.spec(cfg.algorithm).sampling_on == "advantages":  # A2C: its sampling SQL reads the batch
-                run_batch_query(con, batch_query(run_name, [0], cfg.batch_size, 0, *(parsed[s] for s in STAGES)))
+                run_batch_query(con, batch_query(run_name, [0], cfg.batch_size, 0, parsed["final"], parsed["step"], parsed["sampling"]))
             return
         except JobError as whole:
             failed = whole
@@ -154,7 +154,7 @@ def check_learn_sql(job: Job) -> None:
             for i, t in enumerate(parsed[stage]):
                 upto[stage].append(t)
                 try:
-                    run_batch_query(con, batch_query(run_name, [0], cfg.batch_size, 0, *(upto[s] for s in STAGES)))
+                    run_batch_query(con, batch_query(run_name, [0], cfg.batch_size, 0, upto["final"], upto["step"], upto["sampling"]))
                 except JobError as e:
                     raise error(stage, i, e) from None
         raise JobError(f"{job.source}: key 'learn': {failed}")

@@ -12,17 +12,13 @@ from typing import Optional
 
 from rich.console import Console
 
-from unstable_dask.lake import Lake
-
-from unstable_dask.rate import ratings
-
-from unstable_dask.report import report
-
-from unstable_dask.report import trackers
 from unstable_dask.cluster.client import open_client
 from unstable_dask.config import Job
 from unstable_dask.errors import JobError
+from unstable_dask.lake import Lake
 from unstable_dask.learn.learner import check_quantization, learn, plan, resolve_device
+from unstable_dask.rate import ratings
+from unstable_dask.report import report, trackers
 
 
 def _rate_and_report(job: Job, console: Console) -> None:

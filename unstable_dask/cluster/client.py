@@ -22,10 +22,9 @@ import dask
 from dask.utils import parse_bytes
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster, WorkerPlugin
 
-from unstable_dask.config import ClusterConfig
-
-from unstable_dask.errors import JobError
 from unstable_dask.cluster.jobqueue import JOBQUEUE_KINDS, job_script, open_jobqueue_cluster, parse_duration
+from unstable_dask.config import ClusterConfig
+from unstable_dask.errors import JobError
 
 __all__ = ["open_client", "task_resources", "job_script", "visible_gpus", "local_gpu_workers",
            "worker_config", "JOBQUEUE_KINDS"]
@@ -99,7 +98,7 @@ def visible_gpus(environ: Optional[dict[str, str]] = None) -> list[str]:
         return []
     if listing.returncode != 0:
         return []
-    return [str(i) for i, line in enumerate(l for l in listing.stdout.splitlines() if l.startswith("GPU "))]
+    return [str(i) for i, line in enumerate(x for x in listing.stdout.splitlines() if x.startswith("GPU "))]
 
 
 def _gpu_memory_limit(cfg: ClusterConfig) -> Any:
@@ -216,6 +215,7 @@ def open_client(cfg: ClusterConfig) -> Iterator[Client]:
     spawn_keys = {*dask.config.get("distributed.nanny.pre-spawn-environ"), "PYTHONHASHSEED",
                   *settings.get("distributed.nanny.pre-spawn-environ", {})}
     with dask.config.set(settings), _environ_restored(spawn_keys):
+        cluster: SpecCluster  # LocalCluster and JobQueueCluster are SpecClusters too
         if cfg.kind == "local":
             cluster = LocalCluster(
                 n_workers=cfg.n_workers, threads_per_worker=cfg.threads_per_worker,

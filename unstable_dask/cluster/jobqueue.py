@@ -19,7 +19,6 @@ from dask.utils import parse_bytes, parse_timedelta
 from dask_jobqueue.core import Job, JobQueueCluster
 
 from unstable_dask.config import ClusterConfig
-
 from unstable_dask.errors import JobError
 
 JOBQUEUE_KINDS = ("slurm", "pbs", "lsf", "sge")
@@ -128,7 +127,7 @@ def _check(cfg: ClusterConfig) -> int:
         raise JobError(f"cluster.processes ({cfg.processes}) must be <= cluster.cores ({cfg.cores})")
     if (cfg.adapt_min is None) != (cfg.adapt_max is None):
         raise JobError("cluster.adapt_min and cluster.adapt_max must be set together (adaptive scaling between them)")
-    if cfg.adapt_max is not None and cfg.adapt_min > cfg.adapt_max:
+    if cfg.adapt_max is not None and cfg.adapt_min is not None and cfg.adapt_min > cfg.adapt_max:
         raise JobError(f"cluster.adapt_min ({cfg.adapt_min}) must be <= cluster.adapt_max ({cfg.adapt_max})")
     if cfg.adapt_max is None and cfg.jobs == 0:
         raise JobError("cluster.jobs is 0 and adapt is off: no worker would start (set jobs >= 1 or adapt_min/adapt_max)")
@@ -186,7 +185,7 @@ def job_script(cfg: ClusterConfig) -> str:
 
     The scheduler address in it is a placeholder: the real one exists only once the cluster runs.
     """
-    _, job_cls = _CLASSES.get(cfg.kind, (None, None))
+    _, job_cls = _CLASSES[cfg.kind]
     kwargs = jobqueue_kwargs(cfg)
     job_kwargs = {k: v for k, v in kwargs.items() if k in _job_keywords(job_cls)}
     job = job_cls(scheduler="tcp://SCHEDULER-ADDRESS:PORT", name="dask-worker", **job_kwargs)
@@ -206,7 +205,7 @@ def open_jobqueue_cluster(cfg: ClusterConfig, scheduler_options: dict[str, Any])
     cluster = cluster_cls(**kwargs)
     try:
         if cfg.adapt_max is not None:
-            cluster.adapt(minimum_jobs=cfg.adapt_min, maximum_jobs=cfg.adapt_max)
+            cluster.adapt(minimum_jobs=cfg.adapt_min or 0, maximum_jobs=cfg.adapt_max)
         elif cfg.lifetime is not None:
             # Fixed scale does not replace a retired job; adaptive between equal bounds does.
             cluster.adapt(minimum_jobs=cfg.jobs, maximum_jobs=cfg.jobs)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from unstable_dask.config import EndpointConfig, Job, ModelConfig
-
 from unstable_dask.errors import JobError
 
 MAX_ERROR_CHARS = 500  # an error body can be a whole HTML page

@@ -72,7 +72,8 @@ class HFModel:
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        self.base = model.to(self.device).eval()
         # Stop at the tokenizer's EOS and at any EOS the checkpoint declares (e.g. <|endoftext|>).
         declared = self.base.generation_config.eos_token_id
         declared = declared if isinstance(declared, list) else [declared]
@@ -180,7 +181,7 @@ class HFEngine:
             hits = eos[row].nonzero()
             n = int(hits[0]) + 1 if len(hits) else new.shape[1]
             tokens = new[row, :n].tolist()
-            out.append(Generation(text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+            out.append(Generation(text=str(self.tokenizer.decode(tokens, skip_special_tokens=True)),
                                   prompt_tokens=len(x), completion_tokens=n,
                                   truncated=not len(hits), logprobs=logprobs[row][:n], token_ids=tokens))
         return out

@@ -14,8 +14,7 @@ from typing import Any, Optional
 
 from unstable_dask.config import ModelConfig
 from unstable_dask.inference import engine as engines
-from unstable_dask.inference.engine import (Adapter, Generation, check_adapter, chat_prompt, encode_prompts,
-                                   prompt_budget)
+from unstable_dask.inference.engine import Adapter, Generation, chat_prompt, check_adapter, encode_prompts, prompt_budget
 from unstable_dask.inference.weights import resolve_model
 
 # vLLM accepts only these values for max_lora_rank; the configured rank is rounded up to one.
@@ -126,7 +125,7 @@ class VLLMEngine:
             if c.logprobs is not None:
                 logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, tokens)]
             # The text is decoded as the hf engine decodes it, so it is always the decode of token_ids.
-            gens.append(Generation(text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+            gens.append(Generation(text=str(self.tokenizer.decode(tokens, skip_special_tokens=True)),
                                    prompt_tokens=len(x), completion_tokens=len(tokens),
                                    truncated=c.finish_reason == "length", logprobs=logprobs, token_ids=tokens))
         return gens

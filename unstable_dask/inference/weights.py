@@ -226,7 +226,7 @@ def build_smollm2(out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The weights are dequantized (plain float tensors) now; a leftover GGUF quantizer or
     # quantization_config would make save_pretrained refuse and loaders expect GGUF.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out)

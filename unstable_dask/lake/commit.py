@@ -142,7 +142,8 @@ def finish_commits(root: str, marker: str, run_name: str, last_published: Option
     """Publish the partitions of `run_name` after `last_published` that were claimed but not
     published (a driver killed mid-commit): the marker file named in the claim lists the files.
     Returns their numbers."""
-    done, part = [], -1 if last_published is None else last_published
+    done: list[int] = []
+    part = -1 if last_published is None else last_published
     while True:
         app = dl.app_id(run_name, PARTITION[marker], part + 1)
         meta = dl.claim_metadata(root, marker, app)

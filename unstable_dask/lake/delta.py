@@ -40,8 +40,18 @@ def app_id(run_name: str, partition: str, part: int) -> str:
     return f"{run_name}/{partition}={part}"
 
 
+_log_reads = 0  # Delta logs opened by this process (bench/bench_lake_requests.py counts them)
+
+
+def log_reads() -> int:
+    """How many times this process has read a table's Delta log."""
+    return _log_reads
+
+
 def load(lake: Lake, table: str, version: Optional[int] = None) -> Optional[DeltaTable]:
     """The table's snapshot (newest, or `version`), None when the table has no log yet."""
+    global _log_reads
+    _log_reads += 1
     try:
         return DeltaTable(table_uri(lake, table), version=version)
     except TableNotFoundError:
@@ -85,7 +95,8 @@ def commit(lake: Lake, table: str, rels: list[str], app: Optional[str] = None,
            metadata: Optional[dict] = None) -> bool:
     """One Delta commit adding `rels`; False (nothing done) when `app` is already in the log."""
     dt = _ensure(lake, table)
-    adds, mixed = [], False
+    adds: list = []
+    mixed = False
     for rel in rels:
         a, lacks = add_action(lake, table, rel)
         adds.append(a)
@@ -93,7 +104,7 @@ def commit(lake: Lake, table: str, rels: list[str], app: Optional[str] = None,
     if mixed and dt.metadata().configuration.get(MIXED) != "true":
         # Readers then match columns by name in every file (slower), instead of the first file's.
         dt.alter.set_table_properties({MIXED: "true"}, raise_if_not_exists=False)
-        dt = load(lake, table)
+        dt = _ensure(lake, table)
     part = TABLES[table].partition
     props = CommitProperties(custom_metadata=metadata, max_commit_retries=20,
                              app_transactions=[Transaction(app, 1, int(time.time() * 1000))] if app else None)
@@ -111,7 +122,7 @@ def commit(lake: Lake, table: str, rels: list[str], app: Optional[str] = None,
             tries += 1
             if tries == _METADATA_RETRIES:
                 raise
-            dt = load(lake, table)
+            dt = _ensure(lake, table)
 
 
 def claimed(lake: Lake, table: str, app: str) -> bool:
@@ -147,8 +158,8 @@ def snapshot(lake: Lake, table: str, version: Optional[int] = None) -> Snapshot:
         return Snapshot(table, None, [], [], [], False)
     adds = pa.table(dt.get_add_actions(flatten=True))
     part = TABLES[table].partition
-    parts = ([int(v) for v in adds.column(f"partition.{part}").to_pylist()] if part and adds.num_rows
-             else [None] * adds.num_rows)
+    parts: list[Optional[int]] = ([int(v) for v in adds.column(f"partition.{part}").to_pylist()]
+                                  if part and adds.num_rows else [None] * adds.num_rows)
     runs = adds.column("partition.run").to_pylist() if adds.num_rows else []
     return Snapshot(table, dt.version(), adds.column("path").to_pylist() if adds.num_rows else [], runs, parts,
                     dt.metadata().configuration.get(MIXED) == "true")

@@ -34,7 +34,7 @@ from unstable_dask.lake.catalog import TABLES, VIEWS
 
 class Lake:
     def __init__(self, uri: Union[str, Path, "Lake"], versions: Optional[dict[str, int]] = None) -> None:
-        self.uri = uri.uri if isinstance(uri, Lake) else str(uri)
+        self.uri: str = uri.uri if isinstance(uri, Lake) else str(uri)
         self.root = st.root(self.uri)  # canonical: an absolute path, or the URI without a trailing slash
         self.pinned = dict(versions or {})
         self._snapshot: Optional[read.Snapshot] = None

@@ -57,4 +57,8 @@ def checksum_sql(table: str, source: str) -> str:
 def checksums(con: duckdb.DuckDBPyConnection) -> dict[str, tuple[int, int]]:
     """{table: (rows, checksum)} of every view of a lake connection: equal before and after any
     maintenance, or a query's answer changed."""
-    return {t: tuple(int(v) for v in con.execute(checksum_sql(t, t)).fetchall()[0]) for t in VIEWS}
+    out = {}
+    for t in VIEWS:
+        rows, checksum = con.execute(checksum_sql(t, t)).fetchall()[0]
+        out[t] = (int(rows), int(checksum))
+    return out

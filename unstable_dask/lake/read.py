@@ -47,7 +47,7 @@ class Snapshot:
     def published(self, marker: str, run_name: Optional[str] = None) -> list[int]:
         """Partitions (rounds / iterations) whose marker is published, of one run or all, sorted."""
         s = self.logs[marker]
-        return sorted({p for r, p in zip(s.runs, s.parts) if run_name is None or r == run_name})
+        return sorted({p for r, p in zip(s.runs, s.parts) if p is not None and (run_name is None or r == run_name)})
 
     def files(self, table: str) -> tuple[list[str], bool]:
         """(absolute locations of the table's visible files, whether they differ in columns)."""

@@ -31,13 +31,13 @@ from typing import Optional, Union
 import duckdb
 import pyarrow as pa
 
-from unstable_dask.learn import algorithms
-from unstable_dask.lake import Lake
-from unstable_dask.lake import storage as st
-from unstable_dask.lake.commit import now
-from unstable_dask.lake.catalog import LEARNER_STEPS
 from unstable_dask.config import Job
 from unstable_dask.errors import JobError
+from unstable_dask.lake import Lake
+from unstable_dask.lake import storage as st
+from unstable_dask.lake.catalog import LEARNER_STEPS
+from unstable_dask.lake.commit import now
+from unstable_dask.learn import algorithms
 from unstable_dask.learn.rewards import batch_query, parse_transforms, run_batch_query, window_rounds
 
 
@@ -217,8 +217,8 @@ def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None,
 def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
     import torch
 
-    from unstable_dask.learn.trainer import Trainer
     from unstable_dask.inference.engine import resident_engines
+    from unstable_dask.learn.trainer import Trainer
     engines = resident_engines() if device == "cuda" else []
     swap: dict = {}
     if engines:  # single-GPU mode: free the engine's GPU memory for the update

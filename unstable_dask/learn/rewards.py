@@ -225,7 +225,7 @@ def parse_transform(text: str, stage: str, con: Optional[duckdb.DuckDBPyConnecti
         raise JobError(f"{key}: {node.func.id} is a {cls.stage} transform and belongs in {_KEY[cls.stage]}")
     try:
         args = [ast.literal_eval(a) for a in node.args]
-        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        kwargs = {str(k.arg): ast.literal_eval(k.value) for k in node.keywords}
         return cls(*args, **kwargs)
     except (ValueError, TypeError) as e:
         raise JobError(f"{key}: bad arguments in {text!r} ({e})") from None

@@ -114,15 +114,17 @@ def completion_logprobs(logits: "torch.Tensor", input_ids: "torch.Tensor", loss_
 
 
 def sequence_logprobs(logp: "torch.Tensor", mask: "torch.Tensor", normalization: str,
-                      max_generation_len: int) -> "torch.Tensor":
+                      max_generation_len: Optional[int]) -> "torch.Tensor":
     """Per-sample log-prob of the completion, normalised as configured. `mask` aligns with `logp`."""
     return (logp * mask).sum(-1) / normalizer(mask, normalization, max_generation_len)
 
 
-def normalizer(mask: "torch.Tensor", normalization: str, max_generation_len: int) -> "torch.Tensor":
+def normalizer(mask: "torch.Tensor", normalization: str, max_generation_len: Optional[int]) -> "torch.Tensor":
     """Per-sample divisor of summed token terms: Dr. GRPO's constant, or the completion length."""
     import torch
     if normalization == "constant":
+        if max_generation_len is None:  # jobfile fills it in from [model].max_new_tokens
+            raise ValueError("normalization 'constant' needs max_generation_len")
         return torch.full(mask.shape[:1], float(max_generation_len), device=mask.device, dtype=mask.dtype)
     return mask.sum(-1).clamp(min=1)
 

@@ -13,15 +13,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, cast
 
 import pyarrow as pa
 import torch
 
-from unstable_dask.learn import algorithms
-
-from unstable_dask.learn import tokens as policy
 from unstable_dask.config import Job
+from unstable_dask.learn import algorithms
+from unstable_dask.learn import tokens as policy
 from unstable_dask.learn.rewards import parse_transforms, transform_values
 
 
@@ -117,7 +116,7 @@ class Trainer:
             if cdir is not None and (cdir / "value_head.pt").is_file():
                 head.load_state_dict(torch.load(cdir / "value_head.pt", map_location="cpu"))
             self.critic = torch.nn.ModuleDict({"body": body, "head": head}).to(device)
-            self.critic_optimizer = _adamw(self.critic.parameters(), self.cfg.critic_lr, job)
+            self.critic_optimizer = _adamw(self.critic.parameters(), cast(Any, self.cfg).critic_lr, job)
             if cdir is not None and (cdir / "critic_optimizer.pt").is_file():
                 self.critic_optimizer.load_state_dict(torch.load(cdir / "critic_optimizer.pt", map_location=device))
 
@@ -148,8 +147,6 @@ class Trainer:
         # them (A2C's transformed GAE), else the query's.
         m.setdefault("advantage_mean", batch.advantages.mean().item())
         m.setdefault("advantage_std", batch.advantages.std(unbiased=False).item())
-        if self.critic is not None:
-            m["critic_lr"] = self.cfg.critic_lr
         m.update(lr=self.optimizer.param_groups[0]["lr"], samples=batch.size, tokens=int(lengths.sum()),
                  train_tokens=int(tokens.loss_mask.sum()), tokens_per_s=float(lengths.sum()) / max(elapsed, 1e-9),
                  step_time_s=elapsed, mean_train_len=lengths.mean().item(),
@@ -162,10 +159,10 @@ class Trainer:
         self.policy.save_pretrained(str(directory))
         torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
         if self.critic is not None:
-            cdir = directory / "critic"
-            self.critic.body.save_pretrained(str(cdir))
-            torch.save(self.critic.head.state_dict(), cdir / "value_head.pt")
-            torch.save(self.critic_optimizer.state_dict(), cdir / "critic_optimizer.pt")
+            cdir, critic = directory / "critic", cast(Any, self.critic)  # ModuleDict(body, head)
+            critic.body.save_pretrained(str(cdir))
+            torch.save(critic.head.state_dict(), cdir / "value_head.pt")
+            torch.save(cast(torch.optim.Optimizer, self.critic_optimizer).state_dict(), cdir / "critic_optimizer.pt")
 
 
 def _mean(batch: pa.Table, name: str) -> Optional[float]:

@@ -21,16 +21,16 @@ from distributed import Client, as_completed, get_worker
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from unstable_dask.lake import Lake
-from unstable_dask.lake.commit import now
 from unstable_dask.cluster.client import open_client, task_resources
 from unstable_dask.config import Job
 from unstable_dask.errors import JobError
 from unstable_dask.inference.endpoints import require_keys
 from unstable_dask.inference.weights import resolve_model
-from unstable_dask.play.task import play_task
+from unstable_dask.lake import Lake
+from unstable_dask.lake.commit import now
 from unstable_dask.play.opponents import Checkpoint, list_checkpoints
 from unstable_dask.play.schedule import check_envs, schedule_round
+from unstable_dask.play.task import play_task
 
 PROGRESS_TOPIC = "unstable_dask.progress"
 
@@ -93,7 +93,7 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
     # visible, so a concurrent or killed driver can never change a committed round.
     attempt = uuid.uuid4().hex[:8]
     tasks = [dataclasses.replace(t, attempt=attempt) for t in schedule_round(job, lake, round_, current, checkpoints)]
-    require_keys(job, {s.source for t in tasks for g in t.games for s in g.seats if s.plays == "endpoint"})
+    require_keys(job, {s.source or "" for t in tasks for g in t.games for s in g.seats if s.plays == "endpoint"})
     started = now()
     t0 = time.perf_counter()
     n_games = sum(len(t.games) for t in tasks)
@@ -148,7 +148,7 @@ def _run_tasks(client: Client, job: Job, lake: Lake, tasks, n_games: int, round_
             # --lifetime then holds no results, so its retirement stays graceful even when no
             # other worker is up (results left on it would be lost and recomputed).
             index = {f.key: i for i, f in enumerate(futures)}
-            results = [None] * len(futures)
+            results: list[dict] = [{}] * len(futures)
             for fut in as_completed(futures):
                 results[index[fut.key]] = fut.result()
                 fut.release()

@@ -85,7 +85,7 @@ def schedule_games(job: Job, lake: Lake, round_: int, current: Checkpoint,
             rng = np.random.default_rng(seed)
             spec = _pick_env(specs, job.round.env_sampling == "weighted", rng)
             # The learner's seats rotate with the group index so it plays every position.
-            actors = {(i + k) % spec.num_players for k in range(spec.num_actors)}
+            actors = {(i + k) % spec.num_players for k in range(spec.num_actors or spec.num_players)}
             seats = []
             for pid in range(spec.num_players):
                 if pid in actors:

@@ -20,14 +20,14 @@ from typing import Any, Optional
 
 import textarena as ta
 
+from unstable_dask.config import EndpointConfig, ModelConfig, RoundConfig
 from unstable_dask.inference import endpoints as endpoints_mod
 from unstable_dask.lake import Lake
 from unstable_dask.lake import storage as st
 from unstable_dask.lake.commit import now
 from unstable_dask.play.agents import AGENTS
-from unstable_dask.config import EndpointConfig, ModelConfig, RoundConfig
-from unstable_dask.play.schedule import GameSpec, TaskSpec
 from unstable_dask.play.prompts import extract_action, render_prompt
+from unstable_dask.play.schedule import GameSpec, TaskSpec
 
 
 def _utf8(text: str) -> str:
@@ -136,7 +136,7 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
         remote: dict[str, list[tuple[_Game, int, str, str, Any]]] = defaultdict(list)
         finished: list[tuple[_Game, bool]] = []
 
-        def advance(g: _Game, pid: int, action: str, row: dict) -> None:
+        def advance(g: _Game, pid: int, action: str, row: dict, finished: list = finished) -> None:
             if _step(g, pid, action, row) or len(g.turns) >= round_cfg.max_turns:
                 finished.append((g, len(g.turns) >= round_cfg.max_turns and not _state(g.env).done))
 
@@ -159,10 +159,11 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
                 prompt = render_prompt("chat", obs, lambda text: text)
                 remote[seat.source or ""].append((g, pid, prompt, seat.model_uid, base_row))
                 continue
+            assert engine is not None  # loaded above: the task has engine seats
             prompt = render_prompt(g.spec.template, obs, engine.chat_prompt)
             requests[seat.source].append((g, pid, prompt, seat.model_uid, base_row))
         # Sent before the local generate calls, so the endpoints work while the engine does.
-        calls = [(reqs, endpoints_mod.submit(name, endpoints[name], [r[2] for r in reqs], model_cfg))
+        calls = [(reqs, endpoints_mod.submit(name, (endpoints or {})[name], [r[2] for r in reqs], model_cfg))
                  for name, reqs in remote.items()]
         for adapter_path, reqs in requests.items():
             adapter = None
@@ -174,6 +175,7 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
             # first game's id tells tasks apart (one group's seed can lead two tasks); its seed, runs.
             first = task.games[0]
             step_seed = zlib.crc32(f"{first.game_id}/{first.seed}/{n_steps}/{adapter_path or ''}".encode())
+            assert engine is not None
             outs = engine.generate([r[2] for r in reqs], adapter=adapter, seed=step_seed)
             dt = time.perf_counter() - t
             gen_time += dt
@@ -189,10 +191,10 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
         # Endpoint tokens are not counted in `tokens`: that is the local engine's throughput.
         for reqs, call in calls:
             for (g, pid, prompt, _, row), reply in zip(reqs, call.result()):
-                text = None if reply.text is None else _utf8(reply.text)
+                said = None if reply.text is None else _utf8(reply.text)
                 # A failed request sends the env an empty action, an invalid move by its rules.
-                action, ok = extract_action(text or "")
-                row.update(prompt=prompt, completion=text, format_ok=None if text is None else ok,
+                action, ok = extract_action(said or "")
+                row.update(prompt=prompt, completion=said, format_ok=None if said is None else ok,
                            prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens,
                            completion_token_ids=None, truncated=reply.truncated, logprobs=None,
                            latency_s=reply.latency_s, error=reply.error)

@@ -46,7 +46,7 @@ def mle(n_models: int, i: np.ndarray, j: np.ndarray, s: np.ndarray, n: np.ndarra
         grad = np.bincount(i, r, n_models) - np.bincount(j, r, n_models) - ridge * theta
         wgt = n * p * (1.0 - p)
         # Negative Hessian: the weighted graph Laplacian of the comparisons plus the ridge.
-        H = -(np.bincount(i * n_models + j, wgt, n_models * n_models)
+        H: np.ndarray = -(np.bincount(i * n_models + j, wgt, n_models * n_models)
               + np.bincount(j * n_models + i, wgt, n_models * n_models)).reshape(n_models, n_models)
         H[np.diag_indices(n_models)] += np.bincount(i, wgt, n_models) + np.bincount(j, wgt, n_models) + ridge
         # H is positive definite (ridge > 0). Cholesky through scipy: numpy's threaded solve is

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-
 from unstable_dask.config import RatingsConfig
 from unstable_dask.skill import inherited, make_env
 

@@ -35,10 +35,10 @@ import numpy as np
 import pyarrow as pa
 import trueskill
 
-from unstable_dask.lake import Lake, catalog, storage
-from unstable_dask.rate import bradley_terry
 from unstable_dask.config import Job, RatingsConfig
 from unstable_dask.errors import JobError
+from unstable_dask.lake import Lake, catalog, storage
+from unstable_dask.rate import bradley_terry
 from unstable_dask.rate.duels import FAST, MIRROR, MULTI, SOLO, dense_ranks, enter_track, package_rate, replay_duels
 from unstable_dask.skill import make_env
 
@@ -267,9 +267,9 @@ def _sorted(table: pa.Table, keys: list[tuple[str, str]]) -> pa.Table:
 def _state_table(st: _State) -> pa.Table:
     M, rows = len(st.models), []
     for s in np.flatnonzero(np.array(st.seen, dtype=bool)).tolist():
-        g, w, d, l, mir = st.counts[s].tolist()
+        g, w, d, lost, mir = st.counts[s].tolist()
         rows.append({"kind": "slot", "env_id": st.envs[s // M], "model_uid": st.models[s % M], "model_b": None,
-                     "mu": st.mu[s], "sigma": st.sg[s], "games": g, "wins": w, "draws": d, "losses": l, "mirror_games": mir})
+                     "mu": st.mu[s], "sigma": st.sg[s], "games": g, "wins": w, "draws": d, "losses": lost, "mirror_games": mir})
     for (t, a, b), (wa, d, wb) in sorted(st.pairs.items()):
         rows.append({"kind": "pair", "env_id": st.envs[t], "model_uid": st.models[a], "model_b": st.models[b],
                      "mu": None, "sigma": None, "games": int(wa + d + wb), "wins": int(wa), "draws": int(d),

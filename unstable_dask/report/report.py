@@ -20,10 +20,9 @@ import jinja2
 import pyarrow as pa
 from markupsafe import Markup
 
-from unstable_dask.report import arena
-
-from unstable_dask.lake import Lake
 from unstable_dask.config import Job
+from unstable_dask.lake import Lake
+from unstable_dask.report import arena
 
 HERE = Path(__file__).resolve().parent
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
@@ -284,8 +283,9 @@ def _learner(con, run_name: str) -> dict[str, dict]:
     charts = {}
     for c in cols:
         pts = [(r["iteration"], r[c]) for r in rows if r[c] is not None and math.isfinite(r[c])]
-        if pts:
-            charts[c] = line_chart({c: pts}, "iteration", c, width=420, height=200)
+        chart = line_chart({c: pts}, "iteration", c, width=420, height=200) if pts else None
+        if chart is not None:
+            charts[c] = chart
     return charts
 
 
@@ -328,7 +328,7 @@ def svg_document(chart: dict, title: str) -> str:
     """A `line_chart` as a standalone SVG file (for README / BENCHMARKS), styled like the report."""
     css = "\n".join(line for line in (HERE / "static" / "report.css").read_text(encoding="utf-8").splitlines()
                     if line.startswith("svg "))
-    macros = _env().get_template("macros.j2").module
+    macros: Any = _env().get_template("macros.j2").module
     return str(macros.line_svg(chart, title, "svg { font-family: system-ui, sans-serif; }\n" + css)).strip() + "\n"
 
 

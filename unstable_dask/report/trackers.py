@@ -32,13 +32,12 @@ import struct
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
-from unstable_dask.lake import Lake
-
-from unstable_dask.report import report
 from unstable_dask.config import Job
 from unstable_dask.errors import JobError
+from unstable_dask.lake import Lake
+from unstable_dask.report import report
 
 PROJECT = "unstable_dask"
 TAG = "unstable_dask.run"
@@ -123,7 +122,7 @@ def wandb_records(path: Path) -> Iterator:
         chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
         buf = chunk if kind in (1, 2) else buf + chunk
         if kind in (1, 4):
-            rec = pb.Record()
+            rec = pb.Record()  # type: ignore[attr-defined]
             rec.ParseFromString(buf)
             yield rec
 
@@ -205,7 +204,7 @@ class _Mlflow:
         pass  # the run stays open for the next sync
 
 
-TRACKERS = {"wandb": _Wandb, "mlflow": _Mlflow}
+TRACKERS: dict[str, Any] = {"wandb": _Wandb, "mlflow": _Mlflow}
 
 
 def sync(job: Job, trackers: Optional[list[str]] = None) -> dict[str, int]:

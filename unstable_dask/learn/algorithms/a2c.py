@@ -83,19 +83,20 @@ def turn_rewards(seats: Sequence[tuple], turns: Sequence[int], final: Sequence[f
 def update(models: Models, batch: Batch, args: Config, device) -> dict:
     import torch
     t0 = time.perf_counter()
-    critic, tokens, n = models.critic, batch.tokens, batch.size
+    critic, critic_optimizer, tokens, n = models.critic, models.critic_optimizer, batch.tokens, batch.size
+    assert critic is not None and critic_optimizer is not None, "A2C's Spec asks the trainer for a critic"
     batches = micro_batches(n, args.mini_batch_size)
     critic.eval()
     with torch.no_grad():
         v = torch.cat([critic_values(critic, tokens.input_ids[mb].to(device), tokens.attention_mask[mb].to(device),
                               tokens.last_prompt[mb]).float().cpu() for mb in batches]).tolist()
     rewards = turn_rewards(batch.seats, batch.turns, batch.final_reward, batch.step_reward)
-    adv, ret = gae(batch.seats, batch.turns, rewards, v, args.gamma, args.gae_lambda)
-    adv = torch.tensor(batch.transform(adv), dtype=torch.float64)  # the job's sampling transforms
+    gae_adv, ret = gae(batch.seats, batch.turns, rewards, v, args.gamma, args.gae_lambda)
+    adv = torch.tensor(batch.transform(gae_adv), dtype=torch.float64)  # the job's sampling transforms
     actor = reinforce.update(models, replace(batch, advantages=adv), args, device)
 
     critic.train()
-    models.critic_optimizer.zero_grad(set_to_none=True)
+    critic_optimizer.zero_grad(set_to_none=True)
     target = torch.tensor(ret, dtype=torch.float32)
     vloss_sum, mae_sum = 0.0, 0.0
     for mb in batches:
@@ -105,8 +106,8 @@ def update(models: Models, batch: Batch, args: Config, device) -> dict:
         loss.backward()
         vloss_sum += loss.item()
         mae_sum += err.detach().abs().sum().item()
-    critic_norm = clip_and_step(models.critic_optimizer, args.grad_clip)
-    actor.update(value_loss=vloss_sum, value_mae=mae_sum / n, critic_grad_norm=critic_norm,
+    critic_norm = clip_and_step(critic_optimizer, args.grad_clip)
+    actor.update(value_loss=vloss_sum, value_mae=mae_sum / n, critic_grad_norm=critic_norm, critic_lr=args.critic_lr,
                  loss=actor["loss"] + vloss_sum, advantage_mean=adv.mean().item(),
                  advantage_std=adv.std(unbiased=False).item(), step_time_s=time.perf_counter() - t0)
     return actor

@@ -93,7 +93,7 @@ class Config(PPOConfig):
     """PPO's token-ratio clip: ratio kept within [1 - clip_ratio, 1 + clip_ratio]."""
 
 
-def token_objective(logp, old, mask, adv, args: Config):
+def token_objective(logp, old, mask, adv, args):
     """GRPO's clipped surrogate: per-sample sum_t mask * obj / norm_i, and (clipped, counted) tokens."""
     import torch
     ratio = torch.exp(logp - old)
@@ -122,7 +122,7 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
                 old[rows] = completion_logprobs(logits, ids, lm, [batch.temperature[i] for i in rows],
                                                 [batch.top_p[i] for i in rows]).cpu()
     steps = []
-    for epoch in range(args.ppo_epochs):
+    for _epoch in range(args.ppo_epochs):
         for mini in micro_batches(n, args.ppo_mini_batch_size or n):  # one optimizer step each
             m = mini.stop - mini.start
             optimizer.zero_grad(set_to_none=True)
@@ -141,7 +141,7 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
                 loss, kl = pg, torch.zeros((), device=device)
                 norm = normalizer(mask, args.normalization, args.max_generation_len)
                 if args.kl_coef > 0:
-                    with torch.no_grad(), model.disable_adapter():
+                    with torch.no_grad(), model.disable_adapter():  # type: ignore[operator]
                         ref = completion_logprobs(logits_of(model, ids, att), ids, lm, temp, [1.0] * len(temp))
                     d = ref - completion_logprobs(logits, ids, lm, temp, [1.0] * len(temp))
                     kl = ((d.exp() - d - 1) * mask).sum(-1).div(norm).sum() / m
