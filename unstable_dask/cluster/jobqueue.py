@@ -185,8 +185,8 @@ def job_script(cfg: ClusterConfig) -> str:
 
     The scheduler address in it is a placeholder: the real one exists only once the cluster runs.
     """
+    kwargs = jobqueue_kwargs(cfg)  # a kind that is not a batch scheduler's is a one-line error here
     _, job_cls = _CLASSES[cfg.kind]
-    kwargs = jobqueue_kwargs(cfg)
     job_kwargs = {k: v for k, v in kwargs.items() if k in _job_keywords(job_cls)}
     job = job_cls(scheduler="tcp://SCHEDULER-ADDRESS:PORT", name="dask-worker", **job_kwargs)
     return job.job_script()

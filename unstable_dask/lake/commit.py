@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import uuid
 from datetime import datetime, timezone
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import pyarrow as pa
 
@@ -62,21 +62,21 @@ def write_file(root: str, table: str, run_name: str, part: Optional[int], key: s
     return final
 
 
-def why_not_belongs(path: st.Location, table: str) -> Optional[str]:
-    """None if the file fits the table (whole, key columns with their types), else why not."""
-    if not st.is_whole_parquet(path):
-        return "not a whole Parquet file (torn write?)"
+def why_not_belongs(path: st.Location, table: str) -> tuple[Optional[str], Any]:
+    """(None, its footer) if the file fits the table (whole, key columns with their types), else
+    (why not, None). One footer read."""
     try:
-        schema = st.read_schema(path)
-    except Exception as e:  # noqa: BLE001 - any unreadable footer is a foreign file
-        return f"unreadable footer ({e})"
+        meta = st.read_metadata(path)
+    except Exception:  # noqa: BLE001 - no magic bytes, a cut footer: any unreadable file is not whole
+        return "not a whole Parquet file (torn write?)", None
+    schema = meta.schema.to_arrow_schema()
     want = TABLES[table].schema
     for k in TABLES[table].keys:
         if k not in schema.names:
-            return f"has no column {k!r}: not a {table} file"
+            return f"has no column {k!r}: not a {table} file", None
         if not schema.field(k).type.equals(want.field(k).type):
-            return f"column {k!r} is {schema.field(k).type}, expected {want.field(k).type}"
-    return None
+            return f"column {k!r} is {schema.field(k).type}, expected {want.field(k).type}", None
+    return None, meta
 
 
 def attempt_of(path: st.Location) -> Optional[str]:
@@ -85,20 +85,22 @@ def attempt_of(path: st.Location) -> Optional[str]:
     return parts[1] if len(parts) == 3 else None
 
 
-def partition_files(root: str, table: str, run_name: str, part: int, attempt: Optional[str]) -> list[str]:
-    """The files of one partition that a commit names, relative to the table folder: those of
-    `attempt` (every file when None, as for lakes written before attempts), whole and of the
-    table's schema; anything else there is skipped with a warning."""
-    out = []
-    for p in st.list_dir(partition_dir(root, table, run_name, part)):
-        n = st.name(p)
-        if n.startswith(".") or not n.endswith(".parquet") or (attempt is not None and attempt_of(p) != attempt):
+def partition_files(root: str, table: str, run_name: str, part: int,
+                    attempt: Optional[str]) -> dict[str, dl.FileFacts]:
+    """The files of one partition that a commit names, relative to the table folder, with what the
+    commit records of them: those of `attempt` (every file when None, as for lakes written before
+    attempts), whole and of the table's schema; anything else there is skipped with a warning.
+    One listing, then one footer read a file."""
+    out = {}
+    for f in st.list_files(partition_dir(root, table, run_name, part)):
+        n = st.name(f.path)
+        if n.startswith(".") or not n.endswith(".parquet") or (attempt is not None and attempt_of(f.path) != attempt):
             continue
-        why = why_not_belongs(p, table)
+        why, meta = why_not_belongs(f.path, table)
         if why is None:
-            out.append(f"run={run_name}/{PARTITION[table]}={part}/{n}")
+            out[f"run={run_name}/{PARTITION[table]}={part}/{n}"] = dl.FileFacts(f.size, f.mtime_ms, meta)
         else:
-            log.warning("lake: not committing %s: %s", p, why)
+            log.warning("lake: not committing %s: %s", f.path, why)
     return out
 
 
@@ -106,9 +108,6 @@ def commit_marker(root: str, marker: str, run_name: str, part: int, key: str, ro
     """Commit a partition (round or learner iteration): claim, apply its data files, publish.
 
     FileExistsError when the partition is already claimed (by another driver, or an earlier run)."""
-    app = dl.app_id(run_name, PARTITION[marker], part)
-    if dl.claimed(root, marker, app):
-        raise FileExistsError(f"{marker} {app} is already committed in lake {root}")
     attempt = row.get("attempt")
     files = {t: partition_files(root, t, run_name, part, attempt) for t in data_tables(marker)}
     row = dict(row, files=[f"{t}/{rel}" for t, rels in files.items() for rel in rels])
@@ -122,7 +121,7 @@ def commit_marker(root: str, marker: str, run_name: str, part: int, key: str, ro
 
 
 def claim_and_publish(root: str, marker: str, run_name: str, part: int, marker_file: st.Location,
-                      files: dict[str, list[str]]) -> None:
+                      files: dict[str, dict[str, dl.FileFacts]]) -> None:
     """Steps 1-3 of a commit for a marker file already written (also used by `migrate`)."""
     app = dl.app_id(run_name, PARTITION[marker], part)
     rel = f"run={run_name}/{PARTITION[marker]}={part}/{st.name(marker_file)}"
@@ -131,41 +130,46 @@ def claim_and_publish(root: str, marker: str, run_name: str, part: int, marker_f
     publish(root, marker, app, rel, files)
 
 
-def publish(root: str, marker: str, app: str, marker_rel: str, files: dict[str, list[str]]) -> None:
-    """Steps 2 and 3 of a commit; each is idempotent, so a finisher may repeat them."""
+def publish(root: str, marker: str, app: str, marker_rel: str, files: dict[str, dict[str, dl.FileFacts]]) -> None:
+    """Steps 2 and 3 of a commit; each is idempotent, so a finisher may repeat them. `files`:
+    data table -> {path relative to the table: its facts, or {} to read them}."""
     for table, rels in files.items():
-        dl.commit(root, table, rels, app=app)
+        dl.commit(root, table, list(rels), app=app, facts={r: f for r, f in rels.items() if f is not None})
     dl.commit(root, marker, [marker_rel])  # adding a path the log has already is a no-op
 
 
-def finish_commits(root: str, marker: str, run_name: str, last_published: Optional[int]) -> list[int]:
-    """Publish the partitions of `run_name` after `last_published` that were claimed but not
+def _last_published(log: dl.Snapshot, run_name: str) -> int:
+    return max((p for r, p in zip(log.runs, log.parts) if r == run_name and p is not None), default=-1)
+
+
+def finish_commits(root: str, marker: str, run_name: str, log: dl.Snapshot) -> list[int]:
+    """Publish the partitions of `run_name` that the marker's log (`log`) shows claimed but not
     published (a driver killed mid-commit): the marker file named in the claim lists the files.
     Returns their numbers."""
     done: list[int] = []
-    part = -1 if last_published is None else last_published
+    part = _last_published(log, run_name)
     while True:
         app = dl.app_id(run_name, PARTITION[marker], part + 1)
-        meta = dl.claim_metadata(root, marker, app)
+        meta = dl.claim_metadata(root, marker, app, log.log) if log.claimed(app) else None
         if meta is None:
             return done
         rel = meta["unstable_dask.marker"]
         names = st.read_table(st.join(root, marker, rel), columns=["files"]).column(0)[0].as_py() or []
-        files: dict[str, list[str]] = {t: [] for t in data_tables(marker)}
+        files: dict[str, dict] = {t: {} for t in data_tables(marker)}
         for name in names:
             t, r = name.split("/", 1)
-            files[t].append(r)
+            files[t][r] = None  # read again: the driver that checked them is gone
         publish(root, marker, app, rel, files)
         part += 1
         done.append(part)
 
 
-def last_claimed(root: str, marker: str, run_name: str, last_published: Optional[int]) -> Optional[int]:
-    """The newest partition of `run_name` that is claimed (published or still being published)."""
-    part = last_published
-    while dl.claimed(root, marker, dl.app_id(run_name, PARTITION[marker], 0 if part is None else part + 1)):
-        part = 0 if part is None else part + 1
-    return part
+def last_claimed(marker: str, run_name: str, log: dl.Snapshot) -> Optional[int]:
+    """The newest partition of `run_name` claimed in the marker's log (published or being published)."""
+    part = _last_published(log, run_name)
+    while log.claimed(dl.app_id(run_name, PARTITION[marker], part + 1)):
+        part += 1
+    return None if part < 0 else part
 
 
 def remove_other_attempts(root: str, marker: str, run_name: str, part: int, attempt: str) -> int:

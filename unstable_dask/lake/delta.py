@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 from deltalake import DeltaTable, Schema
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from deltalake.transaction import AddAction, CommitProperties, Transaction, create_table_with_add_actions
@@ -78,27 +79,41 @@ def _ensure(lake: Lake, table: str) -> DeltaTable:
     return dt
 
 
-def add_action(lake: Lake, table: str, rel: str) -> tuple[AddAction, bool]:
-    """The add action of an existing file (`rel`: relative to the table folder) and whether the
-    file lacks columns of the catalog schema (written before they existed)."""
+@dataclass(frozen=True)
+class FileFacts:
+    """What a commit records of a file: its size, mtime and footer (read once, when it was checked)."""
+    size: int
+    mtime_ms: int
+    metadata: pq.FileMetaData
+
+
+def file_facts(lake: Lake, table: str, rel: str) -> FileFacts:
+    """The facts of an existing file (`rel`: relative to the table folder), read from storage."""
     path = st.join(lake, table, rel)
-    meta = st.read_metadata(path)  # a torn file fails here, before it is named by a commit
-    values = dict(part.split("=", 1) for part in rel.split("/")[:-1])
-    names = set(meta.schema.to_arrow_schema().names)
-    lacks = not set(TABLES[table].schema.names) <= names
     size, mtime_ms = st.stat(path)
-    return AddAction(rel, size, values, mtime_ms, True,
-                     json.dumps({"numRecords": meta.num_rows})), lacks
+    return FileFacts(size, mtime_ms, st.read_metadata(path))  # a torn file fails here, before a commit names it
+
+
+def add_action(table: str, rel: str, facts: FileFacts) -> tuple[AddAction, bool]:
+    """The add action of a file and whether it lacks columns of the catalog schema (written
+    before they existed)."""
+    values = dict(part.split("=", 1) for part in rel.split("/")[:-1])
+    names = set(facts.metadata.schema.to_arrow_schema().names)
+    lacks = not set(TABLES[table].schema.names) <= names
+    return AddAction(rel, facts.size, values, facts.mtime_ms, True,
+                     json.dumps({"numRecords": facts.metadata.num_rows})), lacks
 
 
 def commit(lake: Lake, table: str, rels: list[str], app: Optional[str] = None,
-           metadata: Optional[dict] = None) -> bool:
-    """One Delta commit adding `rels`; False (nothing done) when `app` is already in the log."""
+           metadata: Optional[dict] = None, facts: Optional[dict[str, FileFacts]] = None) -> bool:
+    """One Delta commit adding `rels` (their facts taken from `facts` where known, else read);
+    False (nothing done) when `app` is already in the log."""
     dt = _ensure(lake, table)
     adds: list = []
     mixed = False
     for rel in rels:
-        a, lacks = add_action(lake, table, rel)
+        known = (facts or {}).get(rel)
+        a, lacks = add_action(table, rel, known if known is not None else file_facts(lake, table, rel))
         adds.append(a)
         mixed |= lacks
     if mixed and dt.metadata().configuration.get(MIXED) != "true":
@@ -130,10 +145,11 @@ def claimed(lake: Lake, table: str, app: str) -> bool:
     return dt is not None and dt.transaction_version(app) is not None
 
 
-def claim_metadata(lake: Lake, table: str, app: str) -> Optional[dict]:
-    """The custom metadata of the commit that claimed `app` (None if unclaimed): from the history,
-    read only to finish a commit whose driver died between claiming and publishing."""
-    dt = load(lake, table)
+def claim_metadata(lake: Lake, table: str, app: str, dt: Optional[DeltaTable] = None) -> Optional[dict]:
+    """The custom metadata of the commit that claimed `app` (None if unclaimed) in `dt` (default:
+    the newest log): from the history, read only to finish a commit whose driver died between
+    claiming and publishing."""
+    dt = dt or load(lake, table)
     if dt is None or dt.transaction_version(app) is None:
         return None
     for info in dt.history():
@@ -150,6 +166,11 @@ class Snapshot:
     runs: list[str]
     parts: list[Optional[int]]  # round / iteration of each file (None for unpartitioned tables)
     mixed: bool
+    log: Optional[DeltaTable] = None  # the log as read (its application transactions: claims)
+
+    def claimed(self, app: str) -> bool:
+        """Whether `app` (a partition's commit) is in this version of the log."""
+        return self.log is not None and self.log.transaction_version(app) is not None
 
 
 def snapshot(lake: Lake, table: str, version: Optional[int] = None) -> Snapshot:
@@ -162,7 +183,7 @@ def snapshot(lake: Lake, table: str, version: Optional[int] = None) -> Snapshot:
                                   if part and adds.num_rows else [None] * adds.num_rows)
     runs = adds.column("partition.run").to_pylist() if adds.num_rows else []
     return Snapshot(table, dt.version(), adds.column("path").to_pylist() if adds.num_rows else [], runs, parts,
-                    dt.metadata().configuration.get(MIXED) == "true")
+                    dt.metadata().configuration.get(MIXED) == "true", dt)
 
 
 def compact(lake: Lake, table: str, run_name: Optional[str] = None, target_mb: int = 128) -> dict:

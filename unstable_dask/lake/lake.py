@@ -29,7 +29,7 @@ import pyarrow as pa
 from unstable_dask.errors import JobError
 from unstable_dask.lake import commit, read
 from unstable_dask.lake import storage as st
-from unstable_dask.lake.catalog import TABLES, VIEWS
+from unstable_dask.lake.catalog import DELTA_TABLES, TABLES, VIEWS
 
 
 class Lake:
@@ -76,7 +76,7 @@ class Lake:
     @property
     def snapshot(self) -> read.Snapshot:
         if self._snapshot is None:
-            self._snapshot = read.Snapshot.read(self.root, self.pinned)
+            self._snapshot = read.Snapshot(self.root, self.pinned)
         return self._snapshot
 
     def refresh(self) -> "Lake":
@@ -126,8 +126,7 @@ class Lake:
         return self.last_claimed("rounds", run_name)
 
     def last_claimed(self, marker: str, run_name: str) -> Optional[int]:
-        done = self.snapshot.published(marker, run_name)
-        return commit.last_claimed(self.root, marker, run_name, done[-1] if done else None)
+        return commit.last_claimed(marker, run_name, self.snapshot.log(marker))
 
     # ------------------------------------------------------------ writing
 
@@ -154,15 +153,14 @@ class Lake:
             return commit.commit_marker(self.root, marker, run_name, part, key,
                                         commit.as_table(marker, [row]).to_pylist()[0])
         finally:
-            self.refresh().refresh_catalog()
+            self.refresh().refresh_catalog()  # the next read sees the commit (read lazily)
 
     def commit_round(self, run_name: str, round_: int, row: dict) -> str:
         return self.commit("rounds", run_name, round_, "commit", row)
 
     def finish_commits(self, marker: str, run_name: str) -> list[int]:
         """Publish partitions of the run claimed by a driver that died before publishing them."""
-        done = self.snapshot.published(marker, run_name)
-        finished = commit.finish_commits(self.root, marker, run_name, done[-1] if done else None)
+        finished = commit.finish_commits(self.root, marker, run_name, self.snapshot.log(marker))
         if finished:
             self.refresh().refresh_catalog()
         return finished
@@ -171,8 +169,8 @@ class Lake:
         return commit.remove_other_attempts(self.root, marker, run_name, part, attempt)
 
     def refresh_catalog(self) -> Optional[str]:
-        """Rewrite <lake>/lake.duckdb for the duckdb shell (local lakes only)."""
-        return read.write_shell_catalog(self.snapshot)
+        """Rewrite <lake>/lake.duckdb for the duckdb shell (local lakes only: the shell has no s3fs)."""
+        return None if self.remote else read.write_shell_catalog(self.snapshot)
 
 
 class Table:
@@ -187,8 +185,7 @@ class Table:
     @property
     def version(self) -> Optional[int]:
         """Its Delta version in the snapshot (None: not a Delta table, or no log yet)."""
-        log = self.lake.snapshot.logs.get(self.name)
-        return None if log is None else log.version
+        return self.lake.snapshot.log(self.name).version if self.name in DELTA_TABLES else None
 
     def files(self) -> list[str]:
         """Locations of the files a reader sees (committed data, published markers, runs' files)."""

@@ -29,7 +29,7 @@ class Pending:
     run_name: str
     part: int
     marker_file: Path
-    files: dict[str, list[str]]  # data table -> paths relative to the table folder
+    files: dict[str, dict]  # data table -> {path relative to the table folder: its facts}
 
 
 def pending(lake: Union[str, Path]) -> list[Pending]:
@@ -42,7 +42,7 @@ def pending(lake: Union[str, Path]) -> list[Pending]:
             if dl.claimed(lake, marker, dl.app_id(run_name, part_name, part)):
                 continue
             markers = [p for p in sorted(d.glob("*.parquet")) if not p.name.startswith(".")
-                       and commit.why_not_belongs(p, marker) is None]
+                       and commit.why_not_belongs(p, marker)[0] is None]
             if not markers:
                 continue
             names = pq.read_schema(markers[0]).names

@@ -30,39 +30,47 @@ READ_ORDER = tuple(sorted(DELTA_TABLES, key=lambda t: TABLES[t].rule != "marker"
 
 @dataclass
 class Snapshot:
-    """The Delta logs of a lake, read once, and the files a reader sees in each table."""
-    root: str
-    logs: dict[str, dl.Snapshot]
-    replace_files: dict[str, list[str]] = field(default_factory=dict)  # listed on first use
+    """The Delta logs of a lake, each read once, on first use, and the files a reader sees.
 
-    @classmethod
-    def read(cls, root: str, versions: Optional[dict[str, int]] = None) -> "Snapshot":
-        versions = versions or {}
-        return cls(root, {t: dl.snapshot(root, t, versions.get(t)) for t in READ_ORDER})
+    A data table's marker log is always read before its own (and kept), so every published
+    marker row's data files are in the data snapshot, whenever the data log is read."""
+    root: str
+    pinned: dict[str, int] = field(default_factory=dict)  # {table: Delta version} to read instead of the newest
+    _logs: dict[str, dl.Snapshot] = field(default_factory=dict)
+    _replace_files: dict[str, list[str]] = field(default_factory=dict)  # listed on first use
+
+    def log(self, table: str) -> dl.Snapshot:
+        if table not in self._logs:
+            marker = TABLES[table].marker
+            if marker is not None:
+                self.log(marker)
+            self._logs[table] = dl.snapshot(self.root, table, self.pinned.get(table))
+        return self._logs[table]
 
     @property
     def versions(self) -> dict[str, Optional[int]]:
-        return {t: s.version for t, s in self.logs.items()}
+        """The version of every Delta table (reads every log not read yet)."""
+        return {t: self.log(t).version for t in READ_ORDER}
 
     def published(self, marker: str, run_name: Optional[str] = None) -> list[int]:
         """Partitions (rounds / iterations) whose marker is published, of one run or all, sorted."""
-        s = self.logs[marker]
+        s = self.log(marker)
         return sorted({p for r, p in zip(s.runs, s.parts) if p is not None and (run_name is None or r == run_name)})
 
     def files(self, table: str) -> tuple[list[str], bool]:
         """(absolute locations of the table's visible files, whether they differ in columns)."""
-        if table not in self.logs:
-            if table not in self.replace_files:
-                self.replace_files[table] = _replace_files(self.root, table)
-            return self.replace_files[table], True
-        s = self.logs[table]
+        if table not in DELTA_TABLES:
+            if table not in self._replace_files:
+                self._replace_files[table] = _replace_files(self.root, table)
+            return self._replace_files[table], True
+        s = self.log(table)
         # The log keeps no useful order; readers get (run, round/iteration, name) order, the order
         # a table scan without ORDER BY returns rows in, so that it is stable.
         keep = sorted(range(len(s.paths)), key=lambda i: (s.runs[i], s.parts[i] if s.parts[i] is not None else -1,
                                                           s.paths[i]))
         marker = TABLES[table].marker
         if marker is not None:
-            m = self.logs[marker]
+            m = self.log(marker)
             published = set(zip(m.runs, m.parts))
             keep = [i for i in keep if (s.runs[i], s.parts[i]) in published]
         return [st.join(self.root, table, s.paths[i]) for i in keep], s.mixed

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
@@ -93,6 +94,22 @@ def list_dir(loc: Location, recursive: bool = False) -> list[str]:
     return sorted(join(loc, i.path[len(path):].lstrip("/")) for i in infos)
 
 
+@dataclass(frozen=True, order=True)
+class Listed:
+    """A file as a folder listing shows it (on an object store the listing carries size and mtime)."""
+    path: str
+    size: int
+    mtime_ms: int
+
+
+def list_files(loc: Location) -> list[Listed]:
+    """The files directly under `loc` with their sizes and mtimes, from one listing, sorted."""
+    fs, path = resolve(loc)
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    return sorted(Listed(join(loc, i.path[len(path):].lstrip("/")), i.size, int(i.mtime.timestamp() * 1000))
+                  for i in infos if i.type == pafs.FileType.File)
+
+
 def delete(loc: Location) -> None:
     """Delete a file or a folder (with what it holds); nothing there is fine."""
     fs, path = resolve(loc)
@@ -123,6 +140,8 @@ def is_whole_parquet(path: Location) -> bool:
 
 
 def read_metadata(loc: Location) -> pq.FileMetaData:
+    """A Parquet file's footer (one open: on an object store a HEAD and a ranged GET); raises on a
+    torn file."""
     fs, path = resolve(loc)
     with fs.open_input_file(path) as f:
         return pq.read_metadata(f)
