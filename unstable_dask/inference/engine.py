@@ -2,7 +2,7 @@
 
 `get_engine(cfg)` returns the process's engine for a `ModelConfig`; the weights are loaded once per
 (model, dtype) and every task/round of a Dask worker reuses them. LoRA adapters are hot-swapped by
-name on top of the resident base model, never reloaded with it (DESIGN.md, invariant 6).
+name on top of the resident base model, which is never reloaded for an adapter.
 
 Backends, one module each, imported only when asked for (BACKENDS): `hf` (transformers
 `generate`, CPU or one GPU; hf.py) and `vllm` (vLLM's offline engine; vllm_engine.py). Each has

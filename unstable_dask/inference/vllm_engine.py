@@ -2,7 +2,7 @@
 
 Imported only when `model.backend = "vllm"`, so the rest of the project never needs vLLM.
 The base model is loaded once per process; each adapter gets a stable integer id, and vLLM
-keeps recently used adapters cached on the device (no base reloads: DESIGN.md, invariant 6).
+keeps recently used adapters cached on the device: the base model is never reloaded for an adapter.
 """
 from __future__ import annotations
 
