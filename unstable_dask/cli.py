@@ -1,7 +1,8 @@
-"""Command line: `python -m unstable_dask.run <job> [--job jobs/X.toml] [options]`.
+"""Command line: `python -m unstable_dask.run <command> [--job jobs/X.toml] [options]`.
 
-Jobs: round, eval, learn, rate, report, loop, track, sql, cluster; lake upkeep: compact, vacuum,
-migrate. With no --job the embedded default runs (CPU, builtin tiny model, LocalCluster, ./lake,
+Commands: round, eval, learn, rate, report, loop, track, sql, cluster; lake upkeep: compact,
+vacuum, migrate. Each is a thin mirror of a Python function of its stage. A job file (`--job`)
+describes the run; with none the embedded default runs (CPU, builtin tiny model, LocalCluster, ./lake,
 ./reports). User mistakes print one line and exit with code 2; tracebacks are for bugs.
 """
 from __future__ import annotations

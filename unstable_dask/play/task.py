@@ -95,7 +95,7 @@ def _finish(g: _Game, worker: str, task: str, capped: bool) -> dict:
                 seats=[_seat_row(s, rewards.get(s.pid, 0.0), infos.get(s.pid, {})) for s in g.spec.seats])
 
 
-def _step(g: _Game, pid: int, action: str, row: dict) -> bool:
+def _move(g: _Game, pid: int, action: str, row: dict) -> bool:
     """Send an action to the env and record the turn; returns done."""
     state = _state(g.env)
     errors_before = state.error_count
@@ -137,7 +137,7 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
         finished: list[tuple[_Game, bool]] = []
 
         def advance(g: _Game, pid: int, action: str, row: dict, finished: list = finished) -> None:
-            if _step(g, pid, action, row) or len(g.turns) >= round_cfg.max_turns:
+            if _move(g, pid, action, row) or len(g.turns) >= round_cfg.max_turns:
                 finished.append((g, len(g.turns) >= round_cfg.max_turns and not _state(g.env).done))
 
         for g in active:
