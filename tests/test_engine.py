@@ -140,8 +140,10 @@ def test_lora_adapters_hot_swap(engine, adapters):
     assert texts(engine.generate(ps, adapter=a)) == out_a
     assert texts(engine.generate(ps, adapter=Adapter(a.name, a.path))) == out_a  # same name: no reload
     assert len(engine.hf.adapters) == 2
-    # The same name with a new path reloads: "ckpt-0" now holds b's weights.
-    assert texts(engine.generate(ps, adapter=Adapter(a.name, b.path))) == out_b
+    # The same name with a new path reloads: "ckpt-0" now holds b's weights, and says so.
+    swapped = engine.generate(ps, adapter=Adapter(a.name, b.path))
+    assert texts(swapped) == out_b and {g.adapter_path for g in swapped} == {b.path}
+    assert {g.adapter_path for g in engine.generate(ps)} == {None}
     assert len(engine.hf.adapters) == 2 and len(engine.hf.model.peft_config) == 2
     with pytest.raises(FileNotFoundError):
         engine.generate(ps, adapter=Adapter("ghost", "/nonexistent"))
@@ -203,7 +205,7 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     vllm = types.ModuleType("vllm")
     vllm.LLM, vllm.SamplingParams = LLM, lambda **kw: SimpleNamespace(**kw)
     request = types.ModuleType("vllm.lora.request")
-    request.LoRARequest = lambda name, int_id, path: (name, int_id, path)
+    request.LoRARequest = lambda name, int_id, path: SimpleNamespace(lora_name=name, lora_int_id=int_id, lora_path=path)
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
     monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
@@ -229,8 +231,9 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     a, b = adapters
     ids = []
     for ad in [a, b, a, Adapter(a.name, b.path)]:
-        eng.generate(["p"], adapter=ad)
-        ids.append(calls["generate"][2][1])
+        (g,) = eng.generate(["p"], adapter=ad)
+        ids.append(calls["generate"][2].lora_int_id)
+        assert g.adapter_path == ad.path  # the weights vLLM was asked to serve, reported back
     assert ids[0] == ids[2] and len({ids[0], ids[1], ids[3]}) == 3  # stable per (name, path)
 
     assert not init["enable_sleep_mode"]  # CPU: vLLM has no sleep mode there

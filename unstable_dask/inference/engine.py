@@ -10,6 +10,8 @@ Backends, one module each, imported only when asked for (BACKENDS): `hf` (transf
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
 import json
 import threading
@@ -40,6 +42,9 @@ class Generation:
     # Behaviour log-prob of each generated token: sampling.sampling_logprobs(logits, T, top_p).
     logprobs: Optional[list[float]]
     token_ids: list[int]  # the generated ids (len == completion_tokens); text is their decode
+    # The adapter folder whose weights produced it (None: the base model), from the engine's own
+    # record of what it has loaded, not from the request: a stale hot-swap shows up here.
+    adapter_path: Optional[str] = None
 
 
 class Engine(Protocol):
@@ -86,6 +91,18 @@ def chat_prompt(tokenizer: Any, user_text: str) -> str:
                        "pick a model.template other than 'chat'")
     return tokenizer.apply_chat_template([{"role": "user", "content": user_text}],
                                          tokenize=False, add_generation_prompt=True)
+
+
+@functools.lru_cache(maxsize=256)
+def adapter_digest(path: str) -> str:
+    """sha256 of an adapter folder's weights file: what `turns.adapter_sha256` and
+    `checkpoints.adapter_sha256` hold, so the learner can tell which weights played a turn.
+    Adapter folders are written once under unique names, so a cache by path never goes stale."""
+    h = hashlib.sha256()
+    with open(Path(path) / "adapter_model.safetensors", "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def check_adapter(adapter: Adapter) -> None:

@@ -84,6 +84,7 @@ class HFModel:
         self.model: Any = self.base  # becomes a PeftModel once an adapter is loaded
         self.adapters: OrderedDict[str, tuple[str, str]] = OrderedDict()  # name -> (peft slot, path)
         self.n_slots = 0
+        self.active: Optional[str] = None  # path of the adapter whose weights are active (None: base)
         self.sleeping = False
         self.lock = threading.Lock()  # one generate at a time: the active adapter is model state
 
@@ -92,6 +93,7 @@ class HFModel:
         from peft import PeftModel
 
         if adapter is None:
+            self.active = None
             return self.model.disable_adapter() if isinstance(self.model, PeftModel) else nullcontext()
         known = self.adapters.get(adapter.name)
         if known is None or known[1] != adapter.path:
@@ -112,7 +114,8 @@ class HFModel:
                 self.model.delete_adapter(old_slot)
             self.model.eval()
         self.adapters.move_to_end(adapter.name)
-        self.model.set_adapter(self.adapters[adapter.name][0])
+        slot, self.active = self.adapters[adapter.name]
+        self.model.set_adapter(slot)
         return nullcontext()
 
     def to(self, device: Any) -> None:
@@ -156,6 +159,7 @@ class HFEngine:
                             torch.manual_seed(seed + start)
                         gens = self._generate_chunk([ids[i] for i in chunk])
                     for i, g in zip(chunk, gens):
+                        g.adapter_path = self.hf.active
                         results[i] = g
         return results  # type: ignore[return-value]
 

@@ -114,9 +114,10 @@ class VLLMEngine:
         with self.vm.lock:
             if self.vm.sleeping:
                 self.wake_up()
+            request = self.vm.lora_request(adapter)
             outputs = self.vm.llm.generate([{"prompt_token_ids": x} for x in ids],
                                            [params(i) for i in range(len(ids))],
-                                           lora_request=self.vm.lora_request(adapter), use_tqdm=False)
+                                           lora_request=request, use_tqdm=False)
         gens = []
         for x, out in zip(ids, outputs):
             c = out.outputs[0]
@@ -127,7 +128,8 @@ class VLLMEngine:
             # The text is decoded as the hf engine decodes it, so it is always the decode of token_ids.
             gens.append(Generation(text=str(self.tokenizer.decode(tokens, skip_special_tokens=True)),
                                    prompt_tokens=len(x), completion_tokens=len(tokens),
-                                   truncated=c.finish_reason == "length", logprobs=logprobs, token_ids=tokens))
+                                   truncated=c.finish_reason == "length", logprobs=logprobs, token_ids=tokens,
+                                   adapter_path=None if request is None else request.lora_path))
         return gens
 
     def sleep(self) -> None:

@@ -75,6 +75,8 @@ TURNS = pa.schema([
     _f("logprobs", pa.list_(pa.float32()),
        "behaviour log-prob of each id in completion_token_ids (see Behaviour log-probs)"),
     _f("latency_s", pa.float64(), "wall time of the batched generate call this turn was in (endpoints: its request)"),
+    _f("adapter_sha256", pa.string(), "sha256 of the LoRA weights the engine says produced the completion "
+       "(null: the base model, an agent or an endpoint); the learner checks it against the checkpoint's"),
     _f("error", pa.string(), "why an endpoint request finally failed (then completion is null and the env got an "
        "empty action); null otherwise and in files written before the column existed"),
 ])
@@ -98,6 +100,7 @@ CHECKPOINTS = pa.schema([
     _f("uid", pa.string(), "`ckpt-<k>`"),
     _f("parent_uid", pa.string(), "the checkpoint it was trained from"),
     _f("adapter_path", pa.string(), "relative to the lake root; null for the base model"),
+    _f("adapter_sha256", pa.string(), "sha256 of the adapter's weights file (adapter_model.safetensors)"),
     _f("base_model", pa.string()),
     _f("rounds_trained", pa.list_(pa.int64()), "rounds the batches were sampled from"),
     _f("algorithm", pa.string()),

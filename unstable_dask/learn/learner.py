@@ -33,6 +33,7 @@ import pyarrow as pa
 
 from unstable_dask.config import Job
 from unstable_dask.errors import JobError
+from unstable_dask.inference.engine import adapter_digest
 from unstable_dask.lake import Lake
 from unstable_dask.lake import storage as st
 from unstable_dask.lake.catalog import LEARNER_STEPS
@@ -250,7 +251,7 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
         # replace the adapter or steps of the attempt that committed it.
         attempt = uuid.uuid4().hex[:8]
         rel = Lake.adapter_rel(p.run_name, p.uid, attempt)
-        _save_atomic(trainer, lake.location(rel))
+        digest = _save_atomic(trainer, lake.location(rel))
     finally:
         t = time.perf_counter()
         for e in engines:
@@ -264,7 +265,8 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
     lake.write("learner_steps", p.run_name, p.iteration, f"steps.{attempt}", pa.Table.from_pylist(rows, schema=LEARNER_STEPS))
     try:
         lake.commit("checkpoints", p.run_name, p.iteration, "checkpoint", dict(
-            attempt=attempt, uid=p.uid, parent_uid=p.parent_uid, adapter_path=rel, base_model=job.model.base,
+            attempt=attempt, uid=p.uid, parent_uid=p.parent_uid, adapter_path=rel, adapter_sha256=digest,
+            base_model=job.model.base,
             rounds_trained=p.rounds, algorithm=job.learn.algorithm, created_at=now()))
     except FileExistsError:
         st.delete(lake.location(rel))
@@ -277,17 +279,19 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
     return LearnResult(p.run_name, p.iteration, p.uid, rel, p.rounds, steps)
 
 
-def _save_atomic(trainer, final: str) -> None:
+def _save_atomic(trainer, final: str) -> str:
     """Adapter dir saved under a temp name, then moved (renamed, or uploaded to an object store)
     to `final`, this attempt's own name: no reader sees half an adapter, since only the checkpoint
-    commit after it names it."""
+    commit after it names it. Returns the digest of its weights (inference.engine.adapter_digest)."""
     parent = Path(final).parent if not st.is_remote(final) else Path(tempfile.gettempdir())
     parent.mkdir(parents=True, exist_ok=True)
     tmp = parent / f".{st.name(final)}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         trainer.save(tmp)
         (tmp / "trainer_state.json").write_text(json.dumps({"updates": trainer.updates}))
+        digest = adapter_digest(str(tmp))
         st.put_dir(tmp, final)
+        return digest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

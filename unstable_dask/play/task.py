@@ -22,6 +22,7 @@ import textarena as ta
 
 from unstable_dask.config import EndpointConfig, ModelConfig, RoundConfig
 from unstable_dask.inference import endpoints as endpoints_mod
+from unstable_dask.inference.engine import Adapter, adapter_digest
 from unstable_dask.lake import Lake
 from unstable_dask.lake import storage as st
 from unstable_dask.lake.commit import now
@@ -119,7 +120,7 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
     worker = f"{socket.gethostname()}:{os.getpid()}"
     engine = None
     if any(s.plays == "engine" for g in task.games for s in g.seats):
-        from unstable_dask.inference.engine import get_engine
+        from unstable_dask.inference.engine import get_engine  # here: a task of agents needs no model
         engine = get_engine(model_cfg)
     pending = list(task.games)
     active: list[_Game] = []
@@ -168,7 +169,6 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
         for adapter_path, reqs in requests.items():
             adapter = None
             if adapter_path is not None:
-                from unstable_dask.inference.engine import Adapter
                 adapter = Adapter(reqs[0][3], st.local_dir(adapter_path))  # an object store's: downloaded once
             t = time.perf_counter()
             # Seeded per (task, step, adapter): a round replays the same samples on the hf engine. The
@@ -183,7 +183,8 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
                 text = _utf8(out.text)
                 action, ok = extract_action(text)
                 tokens += out.completion_tokens
-                row.update(prompt=prompt, completion=text, format_ok=ok, prompt_tokens=out.prompt_tokens,
+                row.update(adapter_sha256=None if out.adapter_path is None else adapter_digest(out.adapter_path),
+                           prompt=prompt, completion=text, format_ok=ok, prompt_tokens=out.prompt_tokens,
                            completion_tokens=out.completion_tokens, completion_token_ids=out.token_ids,
                            truncated=out.truncated,
                            logprobs=out.logprobs, latency_s=dt)
