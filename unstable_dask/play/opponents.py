@@ -37,6 +37,7 @@ class Seat:
     is_learner: bool  # played by the checkpoint this round trains / evaluates
     plays: Literal["agent", "engine", "endpoint"]  # what makes its moves (play/task.py)
     source: Optional[str] = None  # agent: its name; engine: the adapter's location (None: base); endpoint: its name
+    base: Optional[str] = None  # engine seats: their base model when it is not the job's [model].base
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,14 @@ class Checkpoint:
     adapter: Optional[str]  # location (local path or URI); None for the base model
     iteration: int
     parent_uid: Optional[str] = None  # the checkpoint it was trained from (None for the base model)
+    base: Optional[str] = None  # its base model when it is not the job's [model].base (another run's)
 
     @property
     def model_uid(self) -> str:
         return self.uid
 
     def seat(self, pid: int, is_learner: bool = False) -> Seat:
-        return Seat(pid, self.uid, is_learner, "engine", self.adapter)
+        return Seat(pid, self.uid, is_learner, "engine", self.adapter, self.base)
 
 
 @dataclass(frozen=True)

@@ -118,10 +118,14 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
     from unstable_dask.play.envs import register_envs
     register_envs()
     worker = f"{socket.gethostname()}:{os.getpid()}"
-    engine = None
-    if any(s.plays == "engine" for g in task.games for s in g.seats):
-        from unstable_dask.inference.engine import get_engine  # here: a task of agents needs no model
-        engine = get_engine(model_cfg)
+    engines: dict[Optional[str], Any] = {}  # seat base model (None: [model].base) -> the worker's resident engine
+
+    def engine_for(base: Optional[str]) -> Any:
+        if base not in engines:
+            from unstable_dask.inference.engine import get_engine  # here: a task of agents needs no model
+            engines[base] = get_engine(model_cfg if base is None else model_cfg.model_copy(update={"base": base}))
+        return engines[base]
+
     pending = list(task.games)
     active: list[_Game] = []
     games_out: list[dict] = []
@@ -133,7 +137,7 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
         n_steps += 1
         while pending and len(active) < round_cfg.concurrency:
             active.append(_start(pending.pop(0), round_cfg))
-        requests: dict[Optional[str], list[tuple[_Game, int, str, str, Any]]] = defaultdict(list)
+        requests: dict[tuple[Optional[str], Optional[str]], list[tuple[_Game, int, str, str, Any]]] = defaultdict(list)
         remote: dict[str, list[tuple[_Game, int, str, str, Any]]] = defaultdict(list)
         finished: list[tuple[_Game, bool]] = []
 
@@ -160,13 +164,12 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
                 prompt = render_prompt("chat", obs, lambda text: text)
                 remote[seat.source or ""].append((g, pid, prompt, seat.model_uid, base_row))
                 continue
-            assert engine is not None  # loaded above: the task has engine seats
-            prompt = render_prompt(g.spec.template, obs, engine.chat_prompt)
-            requests[seat.source].append((g, pid, prompt, seat.model_uid, base_row))
+            prompt = render_prompt(g.spec.template, obs, engine_for(seat.base).chat_prompt)
+            requests[(seat.base, seat.source)].append((g, pid, prompt, seat.model_uid, base_row))
         # Sent before the local generate calls, so the endpoints work while the engine does.
         calls = [(reqs, endpoints_mod.submit(name, (endpoints or {})[name], [r[2] for r in reqs], model_cfg))
                  for name, reqs in remote.items()]
-        for adapter_path, reqs in requests.items():
+        for (base, adapter_path), reqs in requests.items():
             adapter = None
             if adapter_path is not None:
                 adapter = Adapter(reqs[0][3], st.local_dir(adapter_path))  # an object store's: downloaded once
@@ -174,9 +177,9 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
             # Seeded per (task, step, adapter): a round replays the same samples on the hf engine. The
             # first game's id tells tasks apart (one group's seed can lead two tasks); its seed, runs.
             first = task.games[0]
-            step_seed = zlib.crc32(f"{first.game_id}/{first.seed}/{n_steps}/{adapter_path or ''}".encode())
-            assert engine is not None
-            outs = engine.generate([r[2] for r in reqs], adapter=adapter, seed=step_seed)
+            key = f"{first.game_id}/{first.seed}/{n_steps}/{adapter_path or ''}" + (f"/{base}" if base else "")
+            step_seed = zlib.crc32(key.encode())
+            outs = engine_for(base).generate([r[2] for r in reqs], adapter=adapter, seed=step_seed)
             dt = time.perf_counter() - t
             gen_time += dt
             for (g, pid, prompt, _, row), out in zip(reqs, outs):
