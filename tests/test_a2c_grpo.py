@@ -16,6 +16,7 @@ from unstable_dask.learn.algorithms import a2c
 from unstable_dask.learn.algorithms.a2c import gae, turn_rewards
 from unstable_dask.learn.algorithms.grpo import Config as GRPOConfig
 from unstable_dask.learn.algorithms.grpo import update
+from unstable_dask.learn.passes import Mismatch
 from unstable_dask.learn.rewards import NormalizeRewards, NormalizeRewardsByEnv, transform_values
 from unstable_dask.learn.tokens import behaviour_logprobs
 
@@ -143,34 +144,37 @@ def _logp(W, prev, tok):
     return torch.log_softmax(W[prev], -1)[tok].item()
 
 
-def grpo_hand(W, base, old, eps, kl_coef, rows=(0, 1, 2), L=4):
-    """Loss, dL/dW and the tokens whose gradient the clip removed, token by token, over the
-    samples `rows` (one optimizer step's mini-batch); `old` = log pi_old per completion token."""
+def grpo_hand(W, base, old, eps, kl_coef, rows=(0, 1, 2), L=4, weights=None, c=3.0):
+    """Loss, dL/dW and the tokens whose gradient the clip removed, token by token over the samples
+    `rows` (one optimizer step's mini-batch), written from verl's compute_policy_loss_vanilla:
+    `old` = log pi_old per completion token, `weights` the IS weights (default 1), c the dual clip."""
+    weights = weights or [1.0] * len(old)
     loss, grad, acting = 0.0, torch.zeros_like(W), 0
-    for (i, prev, tok), lp_old in zip(_steps(), old):
+    for (i, prev, tok), lp_old, w in zip(_steps(), old, weights):
         if i not in rows:
             continue
         A = ADV[i].item()
         lp, ref = _logp(W, prev, tok), _logp(base, prev, tok)
         r = math.exp(lp - lp_old)
-        obj = min(r * A, min(max(r, 1 - eps), 1 + eps) * A)
-        # The clipped branch is the minimum (and constant) only outside the range on the side
-        # where clipping lowers the objective; elsewhere d obj / d logp = r * A.
-        clipped = (A > 0 and r > 1 + eps) or (A < 0 and r < 1 - eps)
-        d_obj = 0.0 if clipped else r * A
+        l1, l2 = -A * r, -A * min(max(r, 1 - eps), 1 + eps)
+        pg = max(l1, l2)
+        clipped = l2 > l1  # the clipped branch is the max and constant: no gradient
+        if A < 0 and c > 0 and pg > -A * c:
+            pg, clipped = -A * c, True
+        d_pg = 0.0 if clipped else -A * r  # d pg / d log pi
         acting += clipped
         k3 = math.exp(ref - lp) - (ref - lp) - 1
         d_k3 = 1 - math.exp(ref - lp)
-        loss += -(obj - kl_coef * k3) / L / len(rows)
+        loss += (w * pg + kl_coef * k3) / L / len(rows)
         probs = torch.softmax(W[prev], -1)
         onehot = torch.zeros(W.shape[1], dtype=W.dtype)
         onehot[tok] = 1
-        grad[prev] += -(d_obj - kl_coef * d_k3) / L / len(rows) * (onehot - probs)
+        grad[prev] += (w * d_pg + kl_coef * d_k3) / L / len(rows) * (onehot - probs)
     return loss, grad, acting
 
 
-# Behaviour ratios per completion token: sample 0 (A > 0) has one token clipped above, sample 1
-# (A < 0) one clipped below and one above the range (unclipped: the minimum), sample 2 on-policy.
+# pi_old / pi_b per completion token (the engine sampled from another distribution): sample 0 has
+# weights 1.5 and 0.9, sample 1 0.5, 1.05 and 1.3, sample 2 has no stored log-probs (weight 1).
 RATIOS = [1.5, 0.9, 0.5, 1.05, 1.3, None]
 
 
@@ -185,30 +189,63 @@ def _old_logprobs(W):
 @pytest.mark.parametrize("kl_coef", [0.0, 0.1])
 @pytest.mark.parametrize("mini", [1, 3])
 def test_grpo_loss_and_grads_equal_hand_computation(kl_coef, mini):
+    """One optimizer step: pi_old is the learner's own log-prob (ratio 1, nothing clipped) and the
+    engine's log-probs enter as truncated importance weights min(pi_old / pi_b, 2)."""
     model = BigramWithBase()
     w0 = model.W.detach().clone()
     b = as_batch(batch(), logprobs=_old_logprobs(w0))
-    assert b.has_old.tolist() == [True, True, False]
+    assert b.known.tolist() == [True, True, False]
     args = GRPOConfig(mini_batch_size=mini, grad_clip=1e9, normalization="constant", max_generation_len=4,
-                    clip_ratio=0.2, kl_coef=kl_coef)
+                      clip_ratio=0.2, kl_coef=kl_coef)
     m = update(models(model), b, args, CPU)
-    old = [_logp(w0, prev, tok) - math.log(r or 1.0) for (_, prev, tok), r in zip(_steps(), RATIOS)]
-    loss, grad, acting = grpo_hand(w0, model.base, old, 0.2, kl_coef)
+    pi_old = [_logp(w0, prev, tok) for _, prev, tok in _steps()]
+    loss, grad, acting = grpo_hand(w0, model.base, pi_old, 0.2, kl_coef, weights=[min(r or 1.0, 2.0) for r in RATIOS])
     assert m["loss"] == pytest.approx(loss, abs=1e-6)  # behaviour logprobs are stored as float32
     torch.testing.assert_close(model.W.grad, grad, **TOL)
-    # Clipping acts on 2 of 6 tokens: 1.5 with A > 0 and 0.5 with A < 0 (1.3 with A < 0 is outside
-    # the range too, but there the unclipped term is the minimum: its gradient stays).
-    assert m["clip_frac"] == pytest.approx(2 / 6) and acting == 2
+    assert m["clip_frac"] == 0 == acting and m["clip_frac_first"] == 0
     assert (m["kl"] > 0) == (kl_coef > 0) and m["optimizer_steps"] == 1
+    w = b.mismatch.metrics()
+    assert w["is_weight_max"] == pytest.approx(1.5, abs=1e-5) and w["is_bounded_frac"] == 0
+    assert w["logp_gap_max"] == pytest.approx(math.log(1 / 0.5), abs=1e-5)
+
+
+def test_masked_importance_sampling_drops_the_tokens_outside_its_band():
+    """is_mode = "mask", is_cap = 1.4: tokens with pi_old / pi_b = 1.5 or 0.5 leave the loss and its
+    normaliser; the others count unweighted (IcePop-style)."""
+    model = BigramWithBase()
+    w0 = model.W.detach().clone()
+    b = as_batch(batch(), logprobs=_old_logprobs(w0))
+    b.mismatch = Mismatch("mask", 1.4)
+    args = GRPOConfig(mini_batch_size=3, grad_clip=1e9, normalization="constant", max_generation_len=4)
+    update(models(model), b, args, CPU)
+    keep = [0.0 if r is not None and not 1 / 1.4 <= r <= 1.4 else 1.0 for r in RATIOS]
+    pi_old = [_logp(w0, prev, tok) for _, prev, tok in _steps()]
+    _, grad, _ = grpo_hand(w0, model.base, pi_old, 0.2, 0.0, weights=keep)
+    torch.testing.assert_close(model.W.grad, grad, **TOL)
+    assert keep.count(0.0) == 2 and b.mismatch.metrics()["is_bounded_frac"] == pytest.approx(2 / 5)
+
+
+def test_dual_clip_bounds_a_bad_action_s_loss():
+    """A < 0 and a ratio far above 1: PPO's clip leaves -A * ratio (the max); the dual clip caps it
+    at -A * c and removes its gradient, as verl's clip_ratio_c does."""
+    from unstable_dask.learn.algorithms.grpo import token_objective
+    logp = torch.log(torch.tensor([[4.0, 1.1, 0.5]]))
+    old = torch.zeros(1, 3)
+    mask, w = torch.ones(1, 3), torch.ones(1, 3)
+    for c, want in ((3.0, [3.0, 1.1, 0.8]), (0.0, [4.0, 1.1, 0.8])):
+        args = SimpleNamespace(clip_ratio=0.2, clip_ratio_c=c)
+        loss, clipped = token_objective(logp, old, w, mask, torch.tensor([-1.0]), args)
+        torch.testing.assert_close(loss, torch.tensor([want]))
+        assert clipped.tolist() == [[c > 0, False, True]]
 
 
 def test_grpo_on_policy_without_kl_is_reinforce():
     """No behaviour logprobs: ratio 1 with the REINFORCE gradient, token for token."""
     model = BigramWithBase()
     w0 = model.W.detach().clone()
-    args = GRPOConfig(mini_batch_size=3, grad_clip=1e9, normalization="token-mean", max_generation_len=4)
+    args = GRPOConfig(mini_batch_size=3, grad_clip=1e9, normalization="seq-mean-token-mean", max_generation_len=4)
     update(models(model), as_batch(batch()), args, CPU)
-    torch.testing.assert_close(model.W.grad, hand(w0, "token-mean")[1], **TOL)
+    torch.testing.assert_close(model.W.grad, hand(w0, "seq-mean-token-mean")[1], **TOL)
 
 
 def test_behaviour_logprobs_are_used_only_where_they_line_up():

@@ -69,9 +69,11 @@ def test_batches_hold_whole_groups_with_group_relative_advantages(job):
             rewards = {g: v for g, v in outcomes[key].items() if g in {r["game_id"] for r in members}}
             assert len(rewards) == 4 or key[1] == 1
             mu = sum(rewards.values()) / len(rewards)
-            sd = math.sqrt(sum((v - mu) ** 2 for v in rewards.values()) / len(rewards))
+            # the unbiased std over the attempts, as verl and TRL take it (torch.std); one attempt: no baseline
+            sd = math.sqrt(sum((v - mu) ** 2 for v in rewards.values()) / (len(rewards) - 1)) if len(rewards) > 1 else 0
             for r in members:
-                assert r["advantage"] == pytest.approx((rewards[r["game_id"]] - mu) / (sd + 1e-8), abs=1e-6)
+                want = (rewards[r["game_id"]] - mu) / (sd + 1e-8) if len(rewards) > 1 else 0.0
+                assert r["advantage"] == pytest.approx(want, abs=1e-6)
             if len(set(rewards.values())) > 1:
                 differing += 1
                 assert any(abs(r["advantage"]) > 0.5 for r in members)
@@ -85,22 +87,21 @@ def test_batches_hold_whole_groups_with_group_relative_advantages(job):
 def test_the_learner_batch_reproduces_the_behaviour_logprobs(job):
     """Prompt ids re-encoded with the engines' budget rule, the stored completion ids and the
     round's temperature / top_p: a fresh LoRA (the base model) gives the engine's log-probs back."""
-    from unstable_dask.learn.tokens import LOGP_FLOOR, completion_logprobs, logits_of
+    from unstable_dask.learn import passes
+    from unstable_dask.learn.tokens import LOGP_FLOOR
     from unstable_dask.learn.trainer import Trainer
     con = Lake(job.run.lake).connect()
     table = run_batch_query(con, build_query(job, plan(job), 0, con))
     trainer = Trainer(job, None, torch.device("cpu"))
     batch = trainer.batch(table)
-    assert bool(batch.has_old.all())
-    t = batch.tokens
-    with torch.no_grad():
-        logits = logits_of(trainer.policy, t.input_ids, t.attention_mask)
-        logp = completion_logprobs(logits, t.input_ids, t.loss_mask, batch.temperature, batch.top_p)
-    mask = t.loss_mask[:, 1:].bool()
+    assert bool(batch.known.all())
+    with torch.no_grad():  # the learner's own pass: rows trimmed, logits from the first completion position on
+        p = passes.forward(trainer.policy, batch.tokens, list(range(batch.size)), batch.temperature, batch.top_p, "cpu")
+    mask = p.mask.bool()
     assert int(mask.sum()) == sum(table.column("completion_tokens").to_pylist())
     # on-policy ratio 1: every token within fp32 noise, or a nucleus-boundary flip (logprob_check)
-    verdict = logprob_check.check(logits[mask], t.input_ids[:, 1:][mask], batch.old_logp[mask], 0.7, 0.95)
-    assert torch.equal(verdict.recomputed.clamp(min=LOGP_FLOOR), logp[mask])  # the learner's own computation is the one checked
+    verdict = logprob_check.check(p.logits[mask], p.window_ids[:, 1:][mask], p.take(batch.behaviour)[mask], 0.7, 0.95)
+    assert torch.equal(verdict.recomputed.clamp(min=LOGP_FLOOR), p.logp[mask])  # the learner's own computation is the one checked
 
 
 def test_a_ppo_style_update_on_real_groups(job):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from unstable_dask.inference.sampling import sampling_logprobs
+from unstable_dask.learn import passes
 from unstable_dask.learn.algorithms import grpo, gspo
 
 from test_a2c_grpo import BigramWithBase, _logp, _steps, grpo_hand
@@ -29,8 +30,9 @@ def _f32(x: float) -> float:  # the lake stores behaviour log-probs as float32
 
 # ---------------------------------------------------------------- GSPO
 
-def gspo_hand(W, base, old, eps_low, eps_high, kl_coef, L=4):
-    """Loss, dL/dW and the clipped sequences: s_i = exp(mean_t(logp - old)), one clip per sequence."""
+def gspo_hand(W, old, eps_low, eps_high, weights=(1.0, 1.0, 1.0)):
+    """Loss, dL/dW and the clipped sequences: s_i = exp(mean_t(logp - old)), one clip per sequence,
+    the mean over sequences of -min(s_i A_i, clip(s_i) A_i) w_i (the paper's, TRL's loss_type "grpo")."""
     n = len(ADV)
     loss, grad, acting = 0.0, torch.zeros_like(W), 0
     for i in range(n):
@@ -42,15 +44,12 @@ def gspo_hand(W, base, old, eps_low, eps_high, kl_coef, L=4):
         acting += clipped
         # d s / d logp_t = s / |y|: one shared ratio, the length normalisation inside it
         d_obj = 0.0 if clipped else A * s / len(toks)
-        loss += -min(s * A, clip_s * A) / n
+        loss += -min(s * A, clip_s * A) * weights[i] / n
         for prev, tok, _ in toks:
-            lp, ref = _logp(W, prev, tok), _logp(base, prev, tok)
-            loss += kl_coef * (math.exp(ref - lp) - (ref - lp) - 1) / L / n
-            d_k3 = 1 - math.exp(ref - lp)
             probs = torch.softmax(W[prev], -1)
             onehot = torch.zeros(W.shape[1], dtype=W.dtype)
             onehot[tok] = 1
-            grad[prev] += -(d_obj - kl_coef * d_k3 / L) / n * (onehot - probs)
+            grad[prev] += -d_obj * weights[i] / n * (onehot - probs)
     return loss, grad, acting
 
 
@@ -61,62 +60,91 @@ def gspo_hand(W, base, old, eps_low, eps_high, kl_coef, L=4):
 LOG_RATIOS = [0.0007, 0.0, -0.0012, 0.0, 0.0, 0.001]
 
 
-@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
-@pytest.mark.parametrize("mini", [1, 3])
-def test_gspo_loss_and_grads_equal_hand_computation(kl_coef, mini):
+def test_gspo_objective_equals_hand_computation():
+    """The sequence ratio, its clip and the mean over sequences, against pi_old given per token."""
     model = BigramWithBase()
     w0 = model.W.detach().clone()
-    old = [_f32(_logp(w0, prev, tok) - d) for (_, prev, tok), d in zip(_steps(), LOG_RATIOS)]
-    args = gspo.Config(mini_batch_size=mini, grad_clip=1e9, normalization="constant", max_generation_len=4,
-                         kl_coef=kl_coef)
+    tokens, args = batch(), gspo.Config(mini_batch_size=3, grad_clip=1e9, max_generation_len=4)
     assert (args.gspo_clip_low, args.gspo_clip_high) == (3e-4, 4e-4)  # the paper's
-    m = gspo.update(models(model), as_batch(batch(), logprobs=_per_sample(old)), args, CPU)
-    loss, grad, acting = gspo_hand(w0, model.base, old, 3e-4, 4e-4, kl_coef)
-    assert acting == 2 and m["clip_frac"] == pytest.approx(2 / 3)  # sequences, not tokens
-    assert m["loss"] == pytest.approx(loss, abs=1e-6)
+    b = as_batch(tokens)
+    p = passes.forward(model, tokens, [0, 1, 2], b.temperature, b.top_p, CPU)
+    d = torch.zeros_like(p.logp)
+    d[p.mask.bool()] = torch.tensor(LOG_RATIOS, dtype=d.dtype)
+    old = p.logp.detach() - d
+    per_token, clipped = gspo.sequence_objective(p.logp, old, torch.ones(3), p.mask, ADV.to(p.logp.dtype), args)
+    loss = passes.aggregate(per_token, p.mask, args.normalization, 4, 3, int(p.mask.sum()))
+    loss.backward()
+    old_list = old[p.mask.bool()].tolist()
+    hand_loss, grad, acting = gspo_hand(w0, old_list, 3e-4, 4e-4)
+    assert acting == 2 and clipped.tolist() == [False, True, True]  # sequences, not tokens
+    assert loss.item() == pytest.approx(hand_loss, abs=1e-6)
     torch.testing.assert_close(model.W.grad, grad, **TOL)
     # Only sample 0 carries policy gradient: the rows its tokens predict from are W[2] and W[3].
-    if kl_coef == 0:
-        assert torch.count_nonzero(model.W.grad[[0, 1, 4]]) == 0 and torch.count_nonzero(model.W.grad[3]) > 0
+    assert torch.count_nonzero(model.W.grad[[0, 1, 4]]) == 0 and torch.count_nonzero(model.W.grad[3]) > 0
+
+
+def test_gspo_update_takes_pi_old_from_the_learner_and_sequence_weights_from_the_engine():
+    """One step: every sequence ratio is exactly 1 (nothing clipped, whatever the engine stored), and
+    the engine's log-probs weigh each sequence by the geometric mean of its tokens' pi_old / pi_b,
+    truncated at is_cap."""
+    model = BigramWithBase()
+    w0 = model.W.detach().clone()
+    log_w = [0.2, -0.1, 0.9, 0.9, 0.9, 0.05]  # log pi_old - log pi_b per token
+    behaviour = [_f32(_logp(w0, prev, tok) - d) for (_, prev, tok), d in zip(_steps(), log_w)]
+    b = as_batch(batch(), logprobs=_per_sample(behaviour))
+    m = gspo.update(models(model), b, gspo.Config(mini_batch_size=2, grad_clip=1e9, max_generation_len=4), CPU)
+    per_seq = [[d for (i, _, _), d in zip(_steps(), log_w) if i == k] for k in range(3)]
+    weights = [min(math.exp(sum(x) / len(x)), 2.0) for x in per_seq]  # 1.05, 2 (capped from 2.46), 1.05
+    hand_loss, grad, acting = gspo_hand(w0, [_logp(w0, prev, tok) for _, prev, tok in _steps()], 3e-4, 4e-4, weights)
+    assert m["clip_frac"] == 0 == acting and m["clip_frac_first"] == 0
+    assert m["loss"] == pytest.approx(hand_loss, abs=1e-5)
+    torch.testing.assert_close(model.W.grad, grad, rtol=0, atol=1e-5)  # the weights come from float32 log-probs
 
 
 def test_gspo_on_policy_is_sequence_mean_reinforce():
-    """s_i = 1 on-policy: the gradient is REINFORCE's with token-mean normalisation."""
+    """s_i = 1 on-policy: the gradient is REINFORCE's with per-sequence mean normalisation."""
     model = BigramWithBase()
     w0 = model.W.detach().clone()
     gspo.update(models(model), as_batch(batch()), gspo.Config(mini_batch_size=2, grad_clip=1e9, max_generation_len=4), CPU)
-    torch.testing.assert_close(model.W.grad, hand(w0, "token-mean")[1], **TOL)
+    torch.testing.assert_close(model.W.grad, hand(w0, "seq-mean-token-mean")[1], **TOL)
 
 
 # ---------------------------------------------------------------- PPO-style epochs
 
 def test_two_epochs_of_two_mini_batches_equal_four_hand_steps():
-    """ppo_epochs = 2, ppo_mini_batch_size = 2 over 3 samples: steps on rows (0, 1), (2), (0, 1), (2),
-    each an SGD step on the clipped objective with pi_old = the behaviour policy throughout."""
+    """ppo_epochs = 2, ppo_mini_batch_size = 2 over 3 samples: four SGD steps on the clipped objective,
+    on the row sets the batch seed shuffles into (passes.plan), with pi_old = the learner's log-probs
+    before the first step throughout (a no-grad first pass)."""
     model = BigramWithBase()
     w0 = model.W.detach().clone()
-    old = [_f32(_logp(w0, prev, tok)) for _, prev, tok in _steps()]  # on-policy, as the engine stored them
+    behaviour = [_f32(_logp(w0, prev, tok)) for _, prev, tok in _steps()]  # on-policy, as the engine stored them
     args = grpo.Config(mini_batch_size=1, grad_clip=1e9, max_generation_len=4, clip_ratio=0.2,
-                         ppo_epochs=2, ppo_mini_batch_size=2)
-    m = grpo.update(models(model, lr=1.0), as_batch(batch(), logprobs=_per_sample(old)), args, CPU)
+                       ppo_epochs=2, ppo_mini_batch_size=2)
+    b = as_batch(batch(), logprobs=_per_sample(behaviour), seed=7)
+    m = grpo.update(models(model, lr=1.0), b, args, CPU)
+    schedule = [tuple(sorted(i for micro in step for i in micro))
+                for epoch in passes.plan(batch().attention_mask.sum(-1).tolist(), 2, 1, 2, 7) for step in epoch]
+    assert len(schedule) == 4 and sorted(len(s) for s in schedule) == [1, 1, 2, 2]
+    pi_old = [_logp(w0, prev, tok) for _, prev, tok in _steps()]
 
     def hand_steps(eps):
-        W, losses, acting, ratios = w0.clone(), [], 0, []
-        for _ in range(2):
-            for rows in ((0, 1), (2,)):
-                ratios.append([math.exp(_logp(W, p, t) - o) for (i, p, t), o in zip(_steps(), old) if i in rows])
-                loss, grad, hits = grpo_hand(W, model.base, old, eps, 0.0, rows)
-                W, acting = W - grad, acting + hits
-                losses.append(loss)
-        return W, losses, acting, ratios
+        W, losses, acting, ratios, scored, idle = w0.clone(), [], 0, [], 0, 0
+        for rows in schedule:
+            ratios.append([math.exp(_logp(W, p, t) - o) for (i, p, t), o in zip(_steps(), pi_old) if i in rows])
+            loss, grad, hits = grpo_hand(W, model.base, pi_old, eps, 0.0, rows)
+            W, acting, idle = W - grad, acting + hits, idle + int(not grad.any())
+            losses.append(loss)
+            scored += len(ratios[-1])
+        return W, losses, acting, ratios, scored, idle
 
-    W, losses, acting, ratios = hand_steps(0.2)
-    assert ratios[0] == pytest.approx([1.0] * 5, abs=1e-6)  # the first step is on-policy
-    assert abs(ratios[1][0] - 1) > 0.04  # the second is not: step 1 moved W[2], which sample 2 reads
-    assert acting == 3  # epoch 2: two tokens clipped in rows (0, 1), sample 2 clipped above
+    W, losses, acting, ratios, scored, idle = hand_steps(0.2)
+    assert ratios[0] == pytest.approx([1.0] * len(ratios[0]), abs=1e-6)  # the first step is on-policy
+    assert max(abs(r - 1) for rs in ratios[1:] for r in rs) > 0.04  # later ones are not
+    assert acting > 0 and m["clip_frac_first"] == 0
     torch.testing.assert_close(model.W.detach(), W, rtol=0, atol=1e-5)
-    assert m["optimizer_steps"] == 4
-    assert m["clip_frac"] == pytest.approx(acting / 12)  # 5 + 1 + 5 + 1 tokens scored
+    # a step whose every token is clipped has an exactly zero gradient: skipped, not stepped on momentum
+    assert idle == 1 and m["skipped_steps"] == idle and m["optimizer_steps"] == 4 - idle
+    assert m["clip_frac"] == pytest.approx(acting / scored)
     assert m["loss"] == pytest.approx(np.mean(losses), abs=1e-6)
     # The clip changed the update: without it the same four steps end elsewhere.
     assert (hand_steps(1e9)[0] - W).abs().max() > 0.05

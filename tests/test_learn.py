@@ -51,7 +51,7 @@ def test_learn_resumes_exactly_and_adapter_round_trips(tmp_path):
     r1 = learn(job)
     assert (r1.iteration, r1.uid, r1.rounds) == (1, "ckpt-1", [1])
     assert learn(job).skipped  # the round is trained on: no second checkpoint
-    make_lake(lake, rounds=1, games=12, seed=1, first=2)
+    make_lake(lake, rounds=1, games=12, seed=1, first=2, uid="ckpt-1")
     p2 = plan(job)
     r2 = learn(job)  # a fresh Trainer: loads ckpt-1's adapter and AdamW state from disk
     assert (r2.iteration, r2.rounds, p2.parent_uid) == (2, [2], "ckpt-1")
@@ -90,7 +90,7 @@ def test_other_algorithms_train_and_resume(tmp_path, algorithm):
         assert r1.steps[0]["value_loss"] > 0 and r1.steps[0]["optimizer_steps"] == 1
     else:  # 2 epochs over mini-batches of 4 rows
         assert all(s["optimizer_steps"] == 2 * -(-s["samples"] // 4) and s["clip_frac"] is not None for s in r1.steps)
-    make_lake(lake, rounds=1, games=12, seed=1, first=2)
+    make_lake(lake, rounds=1, games=12, seed=1, first=2, uid="ckpt-1")
     assert learn(job).iteration == 2
 
 
@@ -141,7 +141,7 @@ def test_preview_at_version_reproduces_the_batch_a_checkpoint_trained_on(tmp_pat
     step = Lake(lake).sql("SELECT table_versions, samples FROM learner_steps WHERE update = 0").to_pylist()[0]
     versions = json.loads(step["table_versions"])
     assert set(versions) >= {"games", "turns", "rounds"}
-    make_lake(lake, rounds=1, games=12, seed=1, first=2)
+    make_lake(lake, rounds=1, games=12, seed=1, first=2, uid="ckpt-1")
     assert learn(job, preview=True) != preview_then  # the lake moved on: today's batch differs
     for at in ("ckpt-1", "1"):
         assert learn(job, preview=True, at_version=at) == preview_then

@@ -52,22 +52,25 @@ def models(model, lr=0.0):
 def as_batch(tokens, adv=ADV, temperature=1.0, top_p=1.0, logprobs=(None, None, None), **extra):
     """The Batch the trainer would build for these tokens (one round's sampling settings)."""
     n = tokens.input_ids.shape[0]
-    old, has_old = behaviour_logprobs(tokens, list(logprobs))
+    behaviour, known = behaviour_logprobs(tokens, list(logprobs))
     seats = extra.pop("seats", [(0, f"g{i}", 0) for i in range(n)])
     return Batch(tokens=tokens, advantages=adv, temperature=[temperature] * n, top_p=[top_p] * n,
-                 old_logp=old, has_old=has_old, seats=seats, turns=extra.pop("turns", [0] * n),
+                 behaviour=behaviour, known=known, seats=seats, turns=extra.pop("turns", [0] * n),
                  final_reward=extra.pop("final_reward", [0.0] * n), step_reward=extra.pop("step_reward", [0.0] * n),
                  **extra)
 
 
 def hand(W, normalization, L=4, adv=ADV):
-    """loss = -mean_i A_i * s_i, s_i = sum_t log softmax(W[prev])[tok] / norm; dL/dW analytic."""
+    """loss = -mean_i A_i * s_i, s_i = sum_t log softmax(W[prev])[tok] / norm_i ("constant": L;
+    "seq-mean-token-mean": the completion's length); "token-mean": -sum_{i,t} A_i log p / all
+    completion tokens. dL/dW analytic."""
     W = W.detach().double()
     n = len(adv)
+    total = sum(len(c) for _, c in COMPLETIONS)
     loss, grad = 0.0, torch.zeros_like(W)
     for i, (p, comp) in enumerate(zip(PROMPTS, [c for _, c in COMPLETIONS])):
         seq = p + comp
-        norm = L if normalization == "constant" else len(comp)
+        norm = {"constant": L, "seq-mean-token-mean": len(comp), "token-mean": total / n}[normalization]
         s = 0.0
         for t in range(len(p), len(seq)):
             prev, tok = seq[t - 1], seq[t]
@@ -80,7 +83,7 @@ def hand(W, normalization, L=4, adv=ADV):
     return loss, grad
 
 
-@pytest.mark.parametrize("normalization", ["constant", "token-mean"])
+@pytest.mark.parametrize("normalization", ["constant", "seq-mean-token-mean", "token-mean"])
 @pytest.mark.parametrize("mini", [1, 2, 3])
 def test_loss_and_grads_equal_hand_computation(normalization, mini):
     model = Bigram()

@@ -30,11 +30,14 @@ from unstable_dask.learn.rewards import (
 RUN = "t"
 
 
-def make_lake(root, rounds=3, games=40, seed=0, first=1, encode=None):
+def make_lake(root, rounds=3, games=40, seed=0, first=1, encode=None, uid="base"):
     """Random committed rounds: mirror and vs-random train games, eval games, two envs; games of
     one env and seed in a round form a group. `encode` (text -> ids) makes prompt_tokens and
-    completion_token_ids what an engine with that tokenizer would have written."""
+    completion_token_ids what an engine with that tokenizer would have written; `uid` is the
+    checkpoint that played them (the run's newest, as a real round's)."""
     rng = random.Random(seed)
+    # the weights an engine serving `uid` would report: its committed adapter's digest
+    sha = {c["uid"]: c["adapter_sha256"] for c in Lake(root).table("checkpoints").rows(RUN)}.get(uid)
     for r in range(first, first + rounds):
         games_rows, turns_rows = [], []
         ids = [f"g{rng.randrange(10**6):06d}-{i}" for i in range(games)]
@@ -47,7 +50,7 @@ def make_lake(root, rounds=3, games=40, seed=0, first=1, encode=None):
             seats = []
             for pid in range(2):
                 learner = mirror or pid == 0
-                seats.append(dict(pid=pid, model_uid="ckpt" if learner else "random", is_learner=learner,
+                seats.append(dict(pid=pid, model_uid=uid if learner else "random", is_learner=learner,
                                   role=f"Player {pid}", reward=rng.choice([-1.0, 0.0, 1.0, rng.uniform(-2, 2)]),
                                   invalid_move=False, reason=""))
             n = rng.randrange(1, 6)
@@ -64,10 +67,10 @@ def make_lake(root, rounds=3, games=40, seed=0, first=1, encode=None):
                     action="[0]", format_ok=rng.random() < 0.7, invalid_move=rng.random() < 0.2,
                     prompt_tokens=len(encode(prompt)) if encode else 5, completion_tokens=n_c,
                     completion_token_ids=[rng.randrange(3, 300) for _ in range(n_c)] if learner else None,
-                    truncated=False, logprobs=None))
+                    truncated=False, logprobs=None, adapter_sha256=sha if learner else None))
         Lake(root).write("games", RUN, r, "task0", games_rows)
         Lake(root).write("turns", RUN, r, "task0", turns_rows)
-        Lake(root).commit_round(RUN, r, dict(checkpoint_uid="ckpt", games=len(ids), temperature=1.0, top_p=1.0,
+        Lake(root).commit_round(RUN, r, dict(checkpoint_uid=uid, games=len(ids), temperature=1.0, top_p=1.0,
                                            max_new_tokens=8))
     return root
 
@@ -122,19 +125,34 @@ def ref_sampling(rows, transform):
         gkey = lambda x: x["prompt"]  # noqa: E731
         norm(keys, True)
     else:  # (group_id, pid) groups; every attempt (game) weighs the same: each of its n turns 1/n
+        def attempt_weights(members):  # an attempt is one seat's turns in one game
+            n_turns = defaultdict(int)
+            for k in members:
+                n_turns[(rows[k]["group"], rows[k]["game"])] += 1
+            return np.array([1 / n_turns[(rows[k]["group"], rows[k]["game"])] for k in members]), len(n_turns)
+
+        w_all, _ = attempt_weights(keys)
+        r_all = np.array([rows[k]["r"] for k in keys])
+        b_mu = (w_all * r_all).sum() / w_all.sum()
+        b_sd = np.sqrt((w_all * (r_all - b_mu) ** 2).sum() / (w_all.sum() - 1))  # unbiased, over attempts
         groups = defaultdict(list)
         for k in keys:
             groups[rows[k]["group"]].append(k)
+        new = {}
         for members in groups.values():
-            n_turns = defaultdict(int)
-            for k in members:
-                n_turns[rows[k]["game"]] += 1
-            w = np.array([1 / n_turns[rows[k]["game"]] for k in members])
+            w, attempts = attempt_weights(members)
             r = np.array([rows[k]["r"] for k in members])
             mu = (w * r).sum() / w.sum()
-            sd = np.sqrt((w * (r - mu) ** 2).sum() / w.sum())
+            sd = np.sqrt((w * (r - mu) ** 2).sum() / (w.sum() - 1)) if attempts > 1 else 0.0
             for k, v in zip(members, r):
-                rows[k]["r"] = (v - mu) / (sd + 1e-8)
+                if attempts < 2:  # no baseline
+                    new[k] = 0.0
+                elif transform.scale == "none":
+                    new[k] = v - mu
+                else:
+                    new[k] = (v - mu) / ((sd if transform.scale == "group" else b_sd) + 1e-8)
+        for k, v in new.items():
+            rows[k]["r"] = v
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +164,8 @@ FINALS = [RoleAdvantageFormatter(), RoleAdvantageByEnvFormatter(), RoleAdvantage
           RoleAdvantageByEnvFormatter(0.05)]
 STEPS = [[], [RewardForFormat(1.5)], [RewardForFormat(1.5, -0.5), PenaltyForInvalidMove(1.0, -1.0)]]
 SAMPLINGS = [None, NormalizeRewards(), NormalizeRewards(z_score=True), NormalizeRewardsByEnv(),
-             NormalizeRewardsByEnv(z_score=True), GroupRelativeAdvantage(), GroupRelativeAdvantage("prompt")]
+             NormalizeRewardsByEnv(z_score=True), GroupRelativeAdvantage(), GroupRelativeAdvantage(scale="batch"),
+             GroupRelativeAdvantage(scale="none"), GroupRelativeAdvantage("prompt")]
 
 
 @pytest.mark.parametrize("final", FINALS, ids=repr)
@@ -185,8 +204,8 @@ def test_sampling_transforms_match_reference_over_the_sampled_batch(lake, sampli
 
 def test_group_advantage_weighs_every_attempt_equally():
     """Group (x, 0): attempts a (won in 2 turns), b (lost in 1), c (won in 3): mu and sd are those
-    of the outcomes [1, -1, 1], not of the 6 turns; group (x, 1), all lost, gets 0; a group of one
-    game with step shaping is z-scored over its turns."""
+    of the outcomes [1, -1, 1] (sd unbiased, as verl's and TRL's torch.std), not of the 6 turns;
+    group (x, 1), all lost, gets 0; a group of one game has no baseline: 0."""
     con = duckdb.connect()
     games = ["a", "a", "b", "c", "c", "c", "a", "b", "d", "d"]
     pids = [0] * 6 + [1, 1, 0, 0]
@@ -195,10 +214,14 @@ def test_group_advantage_weighs_every_attempt_equally():
     con.register("b", pa.table({"group_id": groups, "pid": pids, "round": [0] * 10, "game_id": games,
                                 "turn": list(range(10)), "reward": rewards}))
     got = [r[0] for r in con.sql(f"SELECT reward FROM ({GroupRelativeAdvantage().sql('b')}) ORDER BY turn").fetchall()]
-    mu, sd = 1 / 3, math.sqrt(((2 / 3) ** 2 * 2 + (4 / 3) ** 2) / 3)
+    mu, sd = 1 / 3, math.sqrt(((2 / 3) ** 2 * 2 + (4 / 3) ** 2) / 2)
     win, loss = (1 - mu) / sd, (-1 - mu) / sd
-    assert got == pytest.approx([win, win, loss, win, win, win, 0.0, 0.0, -1.0, 1.0], abs=1e-7)
-    assert (win, loss) == pytest.approx((math.sqrt(0.5), -math.sqrt(2)))  # GRPO over the 3 outcomes
+    assert got == pytest.approx([win, win, loss, win, win, win, 0.0, 0.0, 0.0, 0.0], abs=1e-7)
+    torch_std = float(np.std([1.0, -1.0, 1.0], ddof=1))  # GRPO over the 3 outcomes, as torch.std takes it
+    assert (win, loss) == pytest.approx(((1 - mu) / torch_std, (-1 - mu) / torch_std))
+    none = [r[0] for r in con.sql(f"SELECT reward FROM ({GroupRelativeAdvantage(scale='none').sql('b')}) "
+                                  "ORDER BY turn").fetchall()]
+    assert none == pytest.approx([2 / 3, 2 / 3, -4 / 3, 2 / 3, 2 / 3, 2 / 3, 0.0, 0.0, 0.0, 0.0])  # Dr. GRPO
     with pytest.raises(ValueError):
         GroupRelativeAdvantage("seed")  # the old per-seed grouping mixed seats and had no repeats
 

@@ -252,6 +252,22 @@ class LearnConfig(_Strict):
     """Recompute activations in the backward pass: less memory, ~30% more compute."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the update runs; auto: a GPU worker of the cluster, or this machine's GPU, else CPU."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Precision of the learner's forward passes (bf16 autocast, LoRA weights stay fp32). auto:
+    bfloat16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX), else float32."""
+    is_mode: Literal["truncate", "mask", "off"] = "truncate"
+    """How the engine's log-probs (pi_b) enter the loss, through w = pi_old / pi_b per token:
+    "truncate" multiplies each token's term by min(w, is_cap) (TIS); "mask" drops tokens with w
+    outside [1/is_cap, is_cap] (MIS); "off" ignores them (their gap is still recorded)."""
+    is_cap: float = Field(2.0, gt=1.0)
+    """The importance weights' bound (verl's rollout_is_threshold, TRL's vllm_importance_sampling_cap)."""
+    max_logp_gap: float = Field(0.5, gt=0.0)
+    """Largest mean |log pi_old - log pi_b| (nats per token) an update accepts: above it the engine
+    cannot have served these weights (bf16 vs fp32 measures ~2e-3), and the job stops."""
+    max_staleness: int = Field(0, ge=0)
+    """Learner iterations a sample may be old when it is trained on (the checkpoint that played it
+    against the one being trained). 0: lock-step loop, on-policy rounds only; k > 0: `loop` starts
+    the next round while the learner trains, never on a checkpoint more than k iterations behind."""
     quantization: Literal["none", "4bit", "8bit"] = "none"
     """QLoRA: the frozen base in 4 bit (NF4) or 8 bit through bitsandbytes, CUDA only; the adapter
     stays standard peft LoRA (served on the unquantized base). Declared after `device`."""

@@ -114,6 +114,14 @@ def _check_algorithm(job: Job) -> None:
     if spec.needs_groups and job.round.group_size < 2:
         raise JobError(f"{job.source}: key 'learn.algorithm' has value {learn.algorithm!r}: its advantages compare "
                        f"G attempts of one start state; set round.group_size >= 2 (it is {job.round.group_size})")
+    if spec.behaviour_logprobs and job.model.lora.dropout > 0:
+        raise JobError(f"{job.source}: key 'model.lora.dropout' has value {job.model.lora.dropout}: "
+                       f"{learn.algorithm}'s ratio pi/pi_old is 1 before the first step only without dropout in the "
+                       "learner's forward passes; set it to 0")
+    if isinstance(learn.window, int) and learn.window - 1 > learn.max_staleness:
+        raise JobError(f"{job.source}: key 'learn.window' has value {learn.window}: its oldest round can be "
+                       f"{learn.window - 1} learner iterations old, more than learn.max_staleness = "
+                       f"{learn.max_staleness}; raise learn.max_staleness or shrink the window")
 
 
 def check_learn_sql(job: Job) -> None:

@@ -31,7 +31,7 @@ from typing import Optional, Union
 import duckdb
 import pyarrow as pa
 
-from unstable_dask.config import Job
+from unstable_dask.config import BASE_UID, Job
 from unstable_dask.errors import JobError
 from unstable_dask.inference.engine import adapter_digest
 from unstable_dask.lake import Lake
@@ -54,6 +54,8 @@ class Plan:
     # learner_steps records it, so `learn --preview --at-version <uid>` reads the same rows later.
     versions: dict[str, int] = field(default_factory=dict)
     seeds: dict[int, int] = field(default_factory=dict)  # update -> recorded batch seed (replays only)
+    # uid -> (iteration, adapter sha256) of every checkpoint of the run, the base model (0, None) included
+    lineage: dict[str, tuple[int, Optional[str]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -88,10 +90,20 @@ def plan(job: Job, lake: Optional[Lake] = None) -> Optional[Plan]:
     parent = ckpts[-1] if ckpts else None
     if parent is not None and max(parent["rounds_trained"] or [-1]) >= rounds[-1]:
         return None
-    k = (parent["iteration"] if parent else 0) + 1
+    lineage = {BASE_UID: (0, None)} | {c["uid"]: (c["iteration"], c.get("adapter_sha256")) for c in ckpts}
+    # Invariant: no update trains on samples more than learn.max_staleness iterations old.
+    newest = parent["iteration"] if parent else 0
+    played = dict(lake.connect().sql("SELECT round, checkpoint_uid FROM rounds WHERE run = ?", params=[run_name]).fetchall())
+    fresh = [r for r in rounds if newest - lineage.get(played[r], (0, None))[0] <= job.learn.max_staleness]
+    if not fresh:
+        raise JobError(f"{job.source}: the rounds of learn.window {job.learn.window!r} ({rounds}) were played by "
+                       f"checkpoints more than learn.max_staleness = {job.learn.max_staleness} iterations before "
+                       f"{parent['uid'] if parent else BASE_UID}; play a round of the newest checkpoint first")
+    k = newest + 1
     adapter = lake.location(parent["adapter_path"]) if parent and parent["adapter_path"] else None
     versions = {t: v for t, v in lake.versions.items() if v is not None}
-    return Plan(run_name, k, f"ckpt-{k}", parent["uid"] if parent else "base", adapter, rounds, versions)
+    return Plan(run_name, k, f"ckpt-{k}", parent["uid"] if parent else BASE_UID, adapter, fresh, versions,
+                lineage=lineage)
 
 
 def recorded_plan(job: Job, at: str) -> Plan:
@@ -230,7 +242,13 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()  # cuda_mem_peak is the update's own, not the engine's generate
     try:
-        trainer = Trainer(job, st.local_dir(p.parent_adapter) if p.parent_adapter else None, torch.device(device))
+        parent = st.local_dir(p.parent_adapter) if p.parent_adapter else None
+        expected = p.lineage.get(p.parent_uid, (0, None))[1]
+        if parent is not None and expected is not None and adapter_digest(parent) != expected:
+            raise JobError(f"{p.parent_uid} of run '{p.run_name}': the adapter at {p.parent_adapter} is not the one its "
+                           f"commit names (sha256 {adapter_digest(parent)[:12]}, committed {expected[:12]}); the lake's "
+                           "adapters folder was changed by hand")
+        trainer = Trainer(job, parent, torch.device(device))
         steps = []
         for u in range(job.learn.updates_per_round):
             con = lake.connect()
@@ -242,8 +260,10 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
             if batch.num_rows == 0:
                 raise JobError(f"{job.source}: no learner turns to train on in rounds {p.rounds} of run '{p.run_name}' "
                                "(learn.window, or games without learner seats)")
-            m = trainer.update(batch)
-            m.update(update=u, algorithm=job.learn.algorithm, checkpoint_uid=p.uid, batch_seed=batch_seed(job, p.iteration, u),
+            seed = p.seeds.get(u, batch_seed(job, p.iteration, u))
+            m = trainer.update(batch, seed)
+            m.update(update=u, algorithm=job.learn.algorithm, checkpoint_uid=p.uid, batch_seed=seed,
+                     **served_weights(job, p, batch),
                      rounds=p.rounds, device=device, created_at=now(),
                      table_versions=json.dumps(p.versions, sort_keys=True), **_cuda_memory(device))
             steps.append(m)
@@ -277,6 +297,30 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
         if st.name(stale).startswith(f"{p.uid}.") and st.name(stale) != f"{p.uid}.{attempt}" and st.is_dir(stale):
             st.delete(stale)
     return LearnResult(p.run_name, p.iteration, p.uid, rel, p.rounds, steps)
+
+
+def served_weights(job: Job, p: Plan, batch: pa.Table) -> dict:
+    """Check that every row was played by the weights its checkpoint names (turns.adapter_sha256 vs
+    checkpoints.adapter_sha256: an engine that kept serving an old adapter is an error, never trained
+    on) and measure how stale the rows are (learner_steps.staleness_*)."""
+    parent = p.lineage.get(p.parent_uid, (0, None))[0]
+    ages = []
+    for r, g, t, uid, sha in zip(*(batch.column(c).to_pylist() for c in
+                                   ("round", "game_id", "turn", "model_uid", "adapter_sha256"))):
+        iteration, committed = p.lineage.get(uid, (None, None))
+        if iteration is None:
+            raise JobError(f"turn {t} of game {g} (round {r}) of run '{p.run_name}' was played by {uid!r}, which is "
+                           "not a checkpoint of the run")
+        if committed is not None and sha != committed:
+            served = f"adapter weights {sha[:12]}" if sha else "the base model"
+            raise JobError(f"turn {t} of game {g} (round {r}) of run '{p.run_name}' was played by {served}, but its "
+                           f"checkpoint {uid} committed {committed[:12]}: the engine served other weights than the "
+                           "checkpoint the round names; nothing of it is trained on")
+        ages.append(parent - iteration)
+    if ages and max(ages) > job.learn.max_staleness:
+        raise JobError(f"{job.source}: the batch holds samples {max(ages)} learner iterations old, more than "
+                       f"learn.max_staleness = {job.learn.max_staleness}")
+    return dict(staleness_max=max(ages, default=0), staleness_mean=sum(ages) / len(ages) if ages else None)
 
 
 def _save_atomic(trainer, final: str) -> str:

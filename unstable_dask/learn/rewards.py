@@ -3,11 +3,11 @@
 The three UnstableBaselines pipelines, each a list of small objects that render SQL:
 
   final     once per game and learner seat, in canonical game order (round, game_id):
-            RoleAdvantageFormatter(tau), RoleAdvantageByEnvFormatter(tau)
+            RoleAdvantageFormatter(tau), RoleAdvantageByEnvFormatter(tau), NoForfeitWins()
   step      once per turn, starting from the seat's transformed final reward:
             RewardForFormat(reward, penalty), PenaltyForInvalidMove(reward, penalty)
   sampling  over the sampled batch only:
-            NormalizeRewards(z_score), NormalizeRewardsByEnv(z_score), GroupRelativeAdvantage(by)
+            NormalizeRewards(z_score), NormalizeRewardsByEnv(z_score), GroupRelativeAdvantage(by, scale)
             (A2C applies these to its GAE advantages instead: transform_values)
 
 Every transform reads a relation and returns the same columns with `reward` rewritten. A job may
@@ -93,6 +93,23 @@ class RoleAdvantageByEnvFormatter(RoleAdvantageFormatter):
     keys: ClassVar[str] = "is_learner, env_id, pid"
 
 
+@dataclass(frozen=True)
+class NoForfeitWins:
+    """A win handed over by the opponent's forfeit scores 0, like a draw: the seat's env reward was
+    positive but the game ended on another seat's invalid move. In mirror self-play most early
+    "wins" are the other seat's forfeit, which says nothing about the winner's play. The forfeiting
+    seat keeps its loss. List it first: it replaces the reward it is given. Not a default."""
+    stage: ClassVar[str] = "final"
+
+    def sql(self, src: str) -> str:
+        return f"""SELECT f.* REPLACE (CASE WHEN f.env_reward > 0 AND coalesce(x.forfeit, false) THEN 0.0
+                                      ELSE f.reward END AS reward)
+  FROM {src} f LEFT JOIN (
+    SELECT run, round, game_id, pid,
+           NOT invalid_move AND bool_or(invalid_move) OVER (PARTITION BY run, round, game_id) AS forfeit
+    FROM seats) x USING (run, round, game_id, pid)"""
+
+
 # ---------------------------------------------------------------- step: format / invalid move
 
 @dataclass(frozen=True)
@@ -151,33 +168,46 @@ class NormalizeRewardsByEnv:
 
 @dataclass(frozen=True)
 class GroupRelativeAdvantage:
-    """GRPO: z-score of the reward inside each group of the batch.
+    """GRPO: the reward relative to its group of the batch.
 
     by="group" (default): a group is (group_id, pid), the G attempts of one seat of one start
     state (round.group_size); every attempt (game) weighs the same however many turns it took:
-    w = 1/n_turns of the attempt, mu = sum w r / sum w, sd = sqrt(sum w (r - mu)^2 / sum w),
-    A = (r - mu) / (sd + 1e-8). With outcome rewards only, that is GRPO over the G outcomes.
-    by="prompt": turns with the same prompt text, each turn weighing the same.
+    w = 1/n_turns of the attempt, n = sum w (the attempts), mu = sum w r / n and
+
+      scale="group"  A = (r - mu) / (sd + 1e-8),  sd = sqrt(sum w (r - mu)^2 / (n - 1))   (GRPO)
+      scale="batch"  the same with sd of the whole batch's rewards (TRL's scale_rewards="batch")
+      scale="none"   A = r - mu                                       (Dr. GRPO, verl's
+                                                                        norm_adv_by_std_in_grpo=False)
+
+    sd is the unbiased std over attempts, as verl and TRL take it (torch.std); with outcome rewards
+    only these are textbook GRPO over the G outcomes. A group of one attempt has no baseline: A = 0.
+    by="prompt": turns with the same prompt text, each turn weighing the same (population z-score).
     """
     by: str = "group"
+    scale: str = "group"
     stage: ClassVar[str] = "sampling"
 
     def __post_init__(self) -> None:
         if self.by not in ("group", "prompt"):
             raise ValueError(f"by must be 'group' or 'prompt', got {self.by!r}")
+        if self.scale not in ("group", "batch", "none"):
+            raise ValueError(f"scale must be 'group', 'batch' or 'none', got {self.scale!r}")
 
     def sql(self, src: str) -> str:
         if self.by == "prompt":
             return _normalize(src, "prompt", True)
         g = "OVER (PARTITION BY group_id, pid)"
-        sd = f"sqrt(sum(_w * (reward - _mu) * (reward - _mu)) {g} / sum(_w) {g})"  # population, weighted
-        return f"""SELECT * EXCLUDE (_w, _mu) REPLACE ((reward - _mu) / ({sd} + 1e-8) AS reward)
-  FROM (SELECT *, sum(_w * reward) {g} / sum(_w) {g} AS _mu
+        var = {"group": f"sum(_w * (reward - _mu) * (reward - _mu)) {g} / (sum(_w) {g} - 1)",
+               "batch": "sum(_w * (reward - _bmu) * (reward - _bmu)) OVER () / (sum(_w) OVER () - 1)"}
+        scaled = "reward - _mu" if self.scale == "none" else f"(reward - _mu) / (sqrt(greatest({var[self.scale]}, 0)) + 1e-8)"
+        return f"""SELECT * EXCLUDE (_w, _mu, _bmu, _n) REPLACE (CASE WHEN _n > 1 THEN {scaled} ELSE 0.0 END AS reward)
+  FROM (SELECT *, sum(_w * reward) {g} / sum(_w) {g} AS _mu, sum(_w * reward) OVER () / sum(_w) OVER () AS _bmu,
+               sum(_w) {g} AS _n
         FROM (SELECT *, 1.0 / count(*) OVER (PARTITION BY group_id, pid, round, game_id) AS _w FROM {src}))"""
 
 
-BUILTINS = {c.__name__: c for c in (RoleAdvantageFormatter, RoleAdvantageByEnvFormatter, RewardForFormat,
-                                    PenaltyForInvalidMove, NormalizeRewards, NormalizeRewardsByEnv,
+BUILTINS = {c.__name__: c for c in (RoleAdvantageFormatter, RoleAdvantageByEnvFormatter, NoForfeitWins,
+                                    RewardForFormat, PenaltyForInvalidMove, NormalizeRewards, NormalizeRewardsByEnv,
                                     GroupRelativeAdvantage)}
 
 
@@ -192,7 +222,7 @@ class RawSQL:
         return f"WITH {_STAGE_REL[self.stage]} AS (SELECT * FROM {src}) SELECT * FROM ({self.query})"
 
 
-Transform = Union[RoleAdvantageFormatter, RewardForFormat, PenaltyForInvalidMove, NormalizeRewards,
+Transform = Union[RoleAdvantageFormatter, NoForfeitWins, RewardForFormat, PenaltyForInvalidMove, NormalizeRewards,
                   NormalizeRewardsByEnv, GroupRelativeAdvantage, RawSQL]
 
 _SQL_START = re.compile(r"^\s*(\(\s*)*(select|with|from|values)\b", re.IGNORECASE)
@@ -242,7 +272,7 @@ STEP_COLUMNS = ("turn", "group_id", "model_uid", "format_ok", "invalid_move", "p
                 "truncated")
 # Text columns are joined to the sampled rows only: carrying 1M prompts through the join and the
 # top-N sort costs seconds, fetching a batch's worth costs milliseconds.
-TEXT_COLUMNS = ("prompt", "completion", "completion_token_ids", "logprobs")
+TEXT_COLUMNS = ("prompt", "completion", "completion_token_ids", "logprobs", "adapter_sha256")
 # The sampling settings of each row's round (its commit row): the learner's log-probs use them.
 ROUND_COLUMNS = ("temperature", "top_p")
 

@@ -92,11 +92,6 @@ def tokenize(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[in
     return Tokens(ids, att, lm, torch.tensor(last), torch.tensor(cut))
 
 
-def logits_of(model, input_ids: "torch.Tensor", attention_mask: "torch.Tensor") -> "torch.Tensor":
-    """The logits predicting tokens 1..T-1, [B, T-1, V]."""
-    return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-
-
 def completion_logprobs(logits: "torch.Tensor", input_ids: "torch.Tensor", loss_mask: "torch.Tensor",
                         temperature: Sequence[float], top_p: Sequence[float]) -> "torch.Tensor":
     """log pi(x_t | x_<t) of each completion token under its row's sampling distribution, [B, T-1]
@@ -111,22 +106,6 @@ def completion_logprobs(logits: "torch.Tensor", input_ids: "torch.Tensor", loss_
         rows = torch.tensor([s == (t, p) for s in settings], device=logits.device)
         out = out + sampling.masked_token_logprobs(logits, input_ids, completion & rows.unsqueeze(-1), t, p)
     return out.clamp(min=LOGP_FLOOR)
-
-
-def sequence_logprobs(logp: "torch.Tensor", mask: "torch.Tensor", normalization: str,
-                      max_generation_len: Optional[int]) -> "torch.Tensor":
-    """Per-sample log-prob of the completion, normalised as configured. `mask` aligns with `logp`."""
-    return (logp * mask).sum(-1) / normalizer(mask, normalization, max_generation_len)
-
-
-def normalizer(mask: "torch.Tensor", normalization: str, max_generation_len: Optional[int]) -> "torch.Tensor":
-    """Per-sample divisor of summed token terms: Dr. GRPO's constant, or the completion length."""
-    import torch
-    if normalization == "constant":
-        if max_generation_len is None:  # jobfile fills it in from [model].max_new_tokens
-            raise ValueError("normalization 'constant' needs max_generation_len")
-        return torch.full(mask.shape[:1], float(max_generation_len), device=mask.device, dtype=mask.dtype)
-    return mask.sum(-1).clamp(min=1)
 
 
 def behaviour_logprobs(tokens: Tokens,

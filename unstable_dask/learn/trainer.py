@@ -19,9 +19,11 @@ import pyarrow as pa
 import torch
 
 from unstable_dask.config import Job
+from unstable_dask.errors import JobError
 from unstable_dask.learn import algorithms
-from unstable_dask.learn import tokens as policy
+from unstable_dask.learn.passes import Mismatch
 from unstable_dask.learn.rewards import parse_transforms, transform_values
+from unstable_dask.learn.tokens import behaviour_logprobs, prompt_ids, tokenize
 
 
 def model_dtype(job: Job, device: torch.device) -> torch.dtype:
@@ -79,6 +81,7 @@ class Trainer:
 
         from unstable_dask.inference.weights import resolve_model
         self.job, self.cfg, self.device = job, job.learn, device
+        self.dtype = compute_dtype(self.cfg.dtype, device)
         path = resolve_model(job.model.base)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         pad = self.tokenizer.pad_token_id
@@ -120,25 +123,42 @@ class Trainer:
             if cdir is not None and (cdir / "critic_optimizer.pt").is_file():
                 self.critic_optimizer.load_state_dict(torch.load(cdir / "critic_optimizer.pt", map_location=device))
 
-    def batch(self, table: pa.Table) -> algorithms.Batch:
+    def batch(self, table: pa.Table, seed: int = 0) -> algorithms.Batch:
         """The tensors an update needs from the batch query's rows: exact ids, advantages, settings."""
         col = lambda name: table.column(name).to_pylist()  # noqa: E731
         where = [f"turn {t} of game {g} (round {r})" for r, g, t in zip(col("round"), col("game_id"), col("turn"))]
-        prompts = policy.prompt_ids(self.tokenizer, col("prompt"), col("prompt_tokens"), where)
-        tokens = policy.tokenize(prompts, col("completion_token_ids"), self.cfg.max_train_len, self.pad_id)
-        old, has_old = policy.behaviour_logprobs(tokens, col("logprobs"))
+        prompts = prompt_ids(self.tokenizer, col("prompt"), col("prompt_tokens"), where)
+        tokens = tokenize(prompts, col("completion_token_ids"), self.cfg.max_train_len, self.pad_id)
+        behaviour, known = behaviour_logprobs(tokens, col("logprobs"))
         return algorithms.Batch(
             tokens=tokens, advantages=torch.tensor(col("advantage"), dtype=torch.float64),
-            temperature=col("temperature"), top_p=col("top_p"), old_logp=old, has_old=has_old,
+            temperature=col("temperature"), top_p=col("top_p"), behaviour=behaviour, known=known,
             seats=list(zip(col("round"), col("game_id"), col("pid"))), turns=col("turn"),
-            final_reward=col("final_reward"), step_reward=col("step_reward"),
+            final_reward=col("final_reward"), step_reward=col("step_reward"), seed=seed,
+            mismatch=Mismatch(self.cfg.is_mode, self.cfg.is_cap),
             transform=lambda values: transform_values(self.sampling, table, values))
 
-    def update(self, table: pa.Table) -> dict:
-        """One update on a batch from the lake query; returns the learner_steps metrics."""
+    def update(self, table: pa.Table, seed: int = 0) -> dict:
+        """One update on a batch from the lake query (`seed`: its batch seed); returns the
+        learner_steps metrics."""
         t0 = time.perf_counter()
-        batch = self.batch(table)
-        m = self.algorithm.update(self, batch, self.cfg, self.device)
+        table, dropped = drop_silent_groups(table) if self.spec.unit == "group" else (table, {})
+        m: dict = dict(dropped, dtype=str(self.dtype).removeprefix("torch."), lr=self.optimizer.param_groups[0]["lr"],
+                       samples=table.num_rows, reward_mean=_mean(table, "env_reward"),
+                       step_reward_mean=_mean(table, "step_reward"))
+        if table.num_rows == 0:  # every group scored alike: nothing to learn from, nothing moves
+            m.update(loss=0.0, pg_loss=0.0, optimizer_steps=0, skipped_steps=0, step_time_s=time.perf_counter() - t0)
+            return m
+        batch = self.batch(table, seed)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16):
+            m.update(self.algorithm.update(self, batch, self.cfg, self.device))
+        m.update(batch.mismatch.metrics())
+        gap = m.get("logp_gap_mean")
+        if gap is not None and gap > self.cfg.max_logp_gap:
+            raise JobError(f"learn.max_logp_gap: the engine's log-probs differ from the learner's by {gap:.3g} nats a "
+                           f"token on average (at most {self.cfg.max_logp_gap:g} accepted; bf16 vs fp32 numerics give "
+                           "~2e-3): the rounds were not played by the weights, template or tokenizer this learner "
+                           "loaded")
         self.updates += 1
         tokens = batch.tokens
         lengths = tokens.attention_mask.sum(-1).float()
@@ -147,11 +167,9 @@ class Trainer:
         # them (A2C's transformed GAE), else the query's.
         m.setdefault("advantage_mean", batch.advantages.mean().item())
         m.setdefault("advantage_std", batch.advantages.std(unbiased=False).item())
-        m.update(lr=self.optimizer.param_groups[0]["lr"], samples=batch.size, tokens=int(lengths.sum()),
-                 train_tokens=int(tokens.loss_mask.sum()), tokens_per_s=float(lengths.sum()) / max(elapsed, 1e-9),
-                 step_time_s=elapsed, mean_train_len=lengths.mean().item(),
-                 pct_truncated=100.0 * tokens.truncated.float().mean().item(),
-                 reward_mean=_mean(table, "env_reward"), step_reward_mean=_mean(table, "step_reward"))
+        m.update(tokens=int(lengths.sum()), train_tokens=int(tokens.loss_mask.sum()),
+                 tokens_per_s=float(lengths.sum()) / max(elapsed, 1e-9), step_time_s=elapsed,
+                 mean_train_len=lengths.mean().item(), pct_truncated=100.0 * tokens.truncated.float().mean().item())
         return m
 
     def save(self, directory: Path) -> None:
@@ -163,6 +181,33 @@ class Trainer:
             critic.body.save_pretrained(str(cdir))
             torch.save(critic.head.state_dict(), cdir / "value_head.pt")
             torch.save(cast(torch.optim.Optimizer, self.critic_optimizer).state_dict(), cdir / "critic_optimizer.pt")
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """learn.dtype: bf16 autocast on CUDA and on CPUs with native bf16 matmuls; fp32 elsewhere (on an
+    AVX2-only CPU bf16 is emulated, and slower than fp32)."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.bfloat16 if native else torch.float32
+
+
+def drop_silent_groups(table: pa.Table) -> tuple[pa.Table, dict]:
+    """The batch without the groups ((group_id, pid)) whose every advantage is exactly 0: they carry
+    no signal, and mini-batches full of them would make AdamW step on its momentum alone. Returns
+    the table and learner_steps metrics: the share of such groups and the rows dropped."""
+    keys = [f"{g}\x00{p}" for g, p in zip(table.column("group_id").to_pylist(), table.column("pid").to_pylist())]
+    signal: dict[str, bool] = {}
+    for k, a in zip(keys, table.column("advantage").to_pylist()):
+        signal[k] = signal.get(k, False) or (a is not None and a != 0.0)
+    keep = pa.array([signal[k] for k in keys], pa.bool_())
+    out = table.filter(keep) if len(keys) else table
+    silent = sum(1 for v in signal.values() if not v)
+    return out, dict(zero_std_group_frac=silent / len(signal) if signal else None,
+                     rows_dropped=table.num_rows - out.num_rows)
+
 
 
 def _mean(batch: pa.Table, name: str) -> Optional[float]:

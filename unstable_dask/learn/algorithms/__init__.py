@@ -19,7 +19,7 @@ never at module level: loading a job reads their Config and must not import torc
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from unstable_dask.config import LearnConfig
+    from unstable_dask.learn.passes import Mismatch
     from unstable_dask.learn.tokens import Tokens
 
 # name -> module. The one registration of an algorithm.
@@ -67,18 +68,26 @@ class Batch:
     advantages: "torch.Tensor"  # [B] float64: the query's `advantage` column
     temperature: list[float]  # the sampling settings each row was generated with (its round's)
     top_p: list[float]
-    old_logp: "torch.Tensor"  # [B, T-1] behaviour log-probs, aligned like the learner's log-probs
-    has_old: "torch.Tensor"  # [B] bool: old_logp holds the row's behaviour log-probs
+    behaviour: "torch.Tensor"  # [B, T-1] the engine's log-probs, aligned like the learner's (passes.py)
+    known: "torch.Tensor"  # [B] bool: `behaviour` holds the row's log-probs (else its IS weight is 1)
     seats: list[tuple]  # (round, game_id, pid) per row
     turns: list[int]
     final_reward: list[float]  # the seat's final reward after the final transforms
     step_reward: list[float]  # the turn's reward after the step transforms
+    seed: int = 0  # the batch seed: rows are shuffled into optimizer steps with it
+    # pi_b against pi_old, token by token; the importance weights (learn.is_mode, learn.is_cap)
+    mismatch: "Mismatch" = field(default_factory=lambda: _mismatch("truncate", 2.0))
     # Spec.sampling_on == "advantages": the job's sampling transforms, on per-row values.
     transform: Callable[[Sequence[float]], list[float]] = list
 
     @property
     def size(self) -> int:
         return len(self.turns)
+
+
+def _mismatch(mode: str, cap: float) -> "Mismatch":
+    from unstable_dask.learn.passes import Mismatch
+    return Mismatch(mode, cap)
 
 
 def module(name: str) -> ModuleType:

@@ -3,13 +3,17 @@
 For each sample: tokens = the prompt ids the engine fed ++ the completion ids it generated (EOS
 included when generation stopped by itself), loss mask = completion tokens only (prompt AND
 padding masked), log pi = the log-prob under the distribution the tokens were sampled from
-(temperature and top-p of the sample's round, policy.py), and
+(temperature and top-p of the sample's round, learn/tokens.py), w_t the importance weight of the
+token against the engine that sampled it (passes.py: pi_old / pi_b, truncated at learn.is_cap; 1 on
+the engine's own numerics), and the loss, aggregated as `normalization` says:
 
-    seq_logp = sum(mask * log pi) / max_generation_len     ("constant", Dr. GRPO)
-             | sum(mask * log pi) / sum(mask)              ("token-mean")
-    loss     = -mean(A * seq_logp)
+    "constant"             -mean_i [ A_i * sum_t w_t log pi_t / max_generation_len ]   (Dr. GRPO; UB's)
+    "seq-mean-token-mean"  -mean_i [ A_i * mean_t w_t log pi_t ]
+    "token-mean"           -sum_{i,t} A_i w_t log pi_t / (completion tokens of the batch)  (DAPO)
 
-accumulated over batch_size // mini_batch_size micro-batches, then grad clip, one AdamW step.
+accumulated over micro-batches of mini_batch_size rows, then grad clip, one AdamW step (skipped
+when the gradient is exactly zero: AdamW's momentum would move the adapter for nothing). One
+optimizer step means pi_old is the gradient pass's own log-prob: no extra forward pass.
 A is the batch query's advantage: the job's reward transforms, turn by turn (sampled as turns).
 """
 from __future__ import annotations
@@ -20,8 +24,9 @@ from typing import Literal, Optional
 from pydantic import Field
 
 from unstable_dask.config import LearnConfig
+from unstable_dask.learn import passes
 from unstable_dask.learn.algorithms import Batch, Models, Spec
-from unstable_dask.learn.tokens import clip_and_step, completion_logprobs, logits_of, micro_batches, sequence_logprobs
+from unstable_dask.learn.tokens import clip_and_step
 
 SPEC = Spec(unit="turn")
 
@@ -29,9 +34,9 @@ SPEC = Spec(unit="turn")
 class Config(LearnConfig):
     """[learn] with algorithm = "reinforce"."""
     algorithm: Literal["reinforce"] = "reinforce"
-    normalization: Literal["constant", "token-mean"] = "constant"
-    """Per-sequence divisor of summed token log-probs: max_generation_len ("constant", Dr. GRPO)
-    or the completion's length ("token-mean")."""
+    normalization: Literal["constant", "seq-mean-token-mean", "token-mean"] = "constant"
+    """How token terms become the loss: per sequence over max_generation_len ("constant", Dr. GRPO),
+    per sequence over its length ("seq-mean-token-mean"), or over the batch's tokens ("token-mean")."""
     max_generation_len: Optional[int] = Field(None, gt=0)
     """The "constant" divisor; None: [model].max_new_tokens (filled in when the job is loaded)."""
     final_transforms: list[str] = ["RoleAdvantageByEnvFormatter()"]
@@ -44,19 +49,21 @@ def update(models: Models, batch: Batch, args: Config, device) -> dict:
     model, optimizer, tokens, n = models.policy, models.optimizer, batch.tokens, batch.size
     model.train()
     optimizer.zero_grad(set_to_none=True)
+    (step,), = passes.plan(tokens.attention_mask.sum(-1).tolist(), None, args.mini_batch_size, 1, batch.seed)
+    n_tokens = int(tokens.loss_mask.sum())
     loss_sum, logp_sum = 0.0, 0.0
-    for mb in micro_batches(n, args.mini_batch_size):
-        ids, att, lm = tokens.input_ids[mb].to(device), tokens.attention_mask[mb].to(device), tokens.loss_mask[mb].to(device)
-        logp = completion_logprobs(logits_of(model, ids, att), ids, lm, batch.temperature[mb], batch.top_p[mb])
-        mask = lm[:, 1:].to(logp.dtype)  # shifted: mask[t] scores token t+1
-        adv = batch.advantages[mb].to(device, logp.dtype)
-        seq = sequence_logprobs(logp, mask, args.normalization, args.max_generation_len)
-        # Sum over the micro-batch divided by the full batch size: the accumulated gradient is
-        # exactly that of -mean(A * seq_logp) over the batch, whatever the micro-batch split.
-        loss = -(adv * seq).sum() / n
+    for rows in step:
+        p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device)
+        old = p.logp.detach()  # theta = theta_old in the one optimizer step
+        w, mask = batch.mismatch.weights(old, p.take(batch.behaviour), batch.known[rows].to(old.device), p.mask)
+        batch.mismatch.add_entropy(p.logits.detach(), p.mask, [batch.temperature[i] for i in rows],
+                                   [batch.top_p[i] for i in rows])
+        adv = batch.advantages[rows].to(device, p.logp.dtype).unsqueeze(-1)
+        loss = -passes.aggregate(adv * w * p.logp, mask, args.normalization, args.max_generation_len, n, n_tokens)
         loss.backward()
         loss_sum += loss.item()
-        logp_sum += seq.detach().sum().item()
-    grad_norm = clip_and_step(optimizer, args.grad_clip)
-    return dict(loss=loss_sum, pg_loss=loss_sum, logp_mean=logp_sum / n, grad_norm=grad_norm,
-                optimizer_steps=1, step_time_s=time.perf_counter() - t0)
+        logp_sum += passes.aggregate(old, p.mask, args.normalization, args.max_generation_len, n, n_tokens).item()
+    skipped = passes.step_is_zero(optimizer)
+    grad_norm = 0.0 if skipped else clip_and_step(optimizer, args.grad_clip)
+    return dict(loss=loss_sum, pg_loss=loss_sum, logp_mean=logp_sum, grad_norm=grad_norm,
+                optimizer_steps=0 if skipped else 1, skipped_steps=int(skipped), step_time_s=time.perf_counter() - t0)

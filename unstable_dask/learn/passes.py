@@ -1,0 +1,209 @@
+"""What every update does with a batch, once: how rows are cut into optimizer steps and micro-batches,
+one forward pass over a micro-batch, pi_old and the importance weights against the behaviour policy,
+and how token terms become one loss. The algorithm files use these and keep only their math.
+
+pi_old and the behaviour policy (verl's "decoupled" PPO, TRL's vLLM correction). The denominator of
+every ratio is pi_old, the learner's own log-prob of the token before the update, computed by the
+learner in its own numerics. The engine's stored log-prob (pi_b, the behaviour policy: another
+engine, dtype, kernel or an older checkpoint) enters only as an importance weight on each token,
+w = pi_old / pi_b: "truncate" multiplies the token's term by min(w, cap) (TIS); "mask" drops the
+tokens with w outside [1/cap, cap] from the loss and its normaliser and keeps the others unweighted
+(MIS, IcePop-style); "off" ignores pi_b (the metrics are still recorded). GSPO, whose ratio is per
+sequence, takes the geometric mean of its tokens' w instead.
+When the update is one optimizer step, pi_old is the gradient pass's own log-prob (theta = theta_old
+there): no extra forward pass. With several steps (PPO epochs, mini-batches) a no-grad first pass
+over the very micro-batches of the first epoch gives pi_old, so the first step's ratio is 1 bit for
+bit whatever the dtype (same shapes, same kernels).
+
+The first pass (or the single pass) also measures the engine/learner mismatch for learner_steps:
+|log pi_old - log pi_b| (mean, max), the share of tokens outside the learner's nucleus (pi_old = 0),
+the weights' mean, max, truncated share and effective sample size, and the policy's entropy.
+
+Micro-batches: rows of one optimizer step sorted by length before they are cut, each trimmed to its
+longest row, and the LM head applied only from the micro-batch's first completion position on
+(`logits_to_keep` where the model has it): the loss needs logits at ~40 completion positions of a
+~300-token row, not at every prompt position. Optimizer steps get rows shuffled with the batch seed
+(reproducible), so a mini-batch is not one game's turns.
+
+torch is imported inside functions: algorithm files import this module, and loading a job reads
+their Config without importing torch.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Hashable, Optional, Sequence, cast
+
+from unstable_dask.learn.tokens import LOGP_FLOOR, Tokens, completion_logprobs
+
+if TYPE_CHECKING:
+    import torch
+
+
+def plan(lengths: Sequence[int], rows_per_step: Optional[int], micro_size: int, epochs: int,
+         seed: int) -> list[list[list[list[int]]]]:
+    """epochs -> optimizer steps -> micro-batches, as row indices. Each epoch shuffles the rows with
+    `seed` (the batch seed: reproducible) before cutting steps of `rows_per_step` (None: all rows);
+    each step's rows are sorted by length, then cut into micro-batches of `micro_size`."""
+    import torch
+    n = len(lengths)
+    gen = torch.Generator().manual_seed(int(seed))
+    out = []
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=gen).tolist() if rows_per_step is not None and rows_per_step < n else list(range(n))
+        per = rows_per_step or n
+        steps = []
+        for s in range(0, n, per):
+            rows = sorted(order[s:s + per], key=lambda i: (lengths[i], i))
+            steps.append([rows[m:m + micro_size] for m in range(0, len(rows), micro_size)])
+        out.append(steps)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _keeps_logits(cls: Any) -> bool:
+    """Whether a model class computes logits for a suffix only (transformers' `logits_to_keep`)."""
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
+
+
+@dataclass
+class Pass:
+    """One forward pass over a micro-batch, windowed to its completion positions."""
+    rows: list[int]
+    start: int  # window start, in the [B, T-1] coordinates of the batch's per-token tensors
+    end: int  # window end (exclusive)
+    logits: "torch.Tensor"  # [b, W, V]
+    logp: "torch.Tensor"  # [b, W] float32 log-probs under each row's sampling distribution (floored)
+    mask: "torch.Tensor"  # [b, W] 1.0 on completion tokens
+    window_ids: "torch.Tensor"  # [b, W+1] the tokens of the window (logits[:, t] predicts window_ids[:, t+1])
+    window_lm: "torch.Tensor"  # [b, W+1] their loss mask
+
+    def take(self, x: "torch.Tensor") -> "torch.Tensor":
+        """This pass's rows and window of a [B, T-1] per-token tensor of the batch."""
+        return x[self.rows][:, self.start:self.end].to(self.logp.device)
+
+    def relogprobs(self, temperature: Sequence[float], top_p: Sequence[float]) -> "torch.Tensor":
+        """The same tokens' log-probs from the same logits under other sampling settings (per row of
+        the pass), with gradient."""
+        return completion_logprobs(self.logits, self.window_ids, self.window_lm, temperature, top_p)
+
+
+def forward(model: Any, tokens: Tokens, rows: list[int], temperature: Sequence[float], top_p: Sequence[float],
+            device: Any) -> Pass:
+    """Log-probs of the completion tokens of `rows` under their sampling distributions, computing
+    logits only from the first completion position of the micro-batch on."""
+    import torch
+    length = int(tokens.attention_mask[rows].sum(-1).max())
+    ids = tokens.input_ids[rows, :length].to(device)
+    att = tokens.attention_mask[rows, :length].to(device)
+    lm = tokens.loss_mask[rows, :length].to(device)
+    target = lm[:, 1:]
+    first = int(target.any(0).nonzero().min()) if bool(target.any()) else length - 1
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if _keeps_logits(cast(Hashable, type(base))):
+        # logits at positions first..length-1; the last one predicts past the row: dropped
+        logits = model(input_ids=ids, attention_mask=att, logits_to_keep=length - first).logits[:, :-1]
+    else:
+        logits = model(input_ids=ids, attention_mask=att).logits[:, first:-1]
+    window_ids = ids[:, first:]  # token t+1 of window position t
+    window_lm = lm[:, first:]
+    logp = completion_logprobs(logits, window_ids, window_lm, [temperature[i] for i in rows], [top_p[i] for i in rows])
+    return Pass(rows, first, length - 1, logits, logp, window_lm[:, 1:].to(torch.float32), window_ids, window_lm)
+
+
+def aggregate(x: "torch.Tensor", mask: "torch.Tensor", mode: str, max_len: Optional[int], rows: int,
+              tokens: int) -> "torch.Tensor":
+    """A micro-batch's share of one step's loss from per-token terms `x` [b, W] (verl's agg_loss):
+    "constant": mean over the step's rows of sum_t x / max_len (Dr. GRPO); "seq-mean-token-mean":
+    mean over rows of mean_t x; "token-mean": sum of x over the step's tokens / their number (DAPO).
+    `rows` / `tokens`: the whole step's rows and completion tokens, so micro-batches add up to it."""
+    if mode == "token-mean":
+        return (x * mask).sum() / max(tokens, 1)
+    if mode == "constant":
+        if max_len is None:  # jobfile fills it in from [model].max_new_tokens
+            raise ValueError("normalization 'constant' needs max_generation_len")
+        return (x * mask).sum() / (max_len * rows)
+    return ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / rows
+
+
+@dataclass
+class Mismatch:
+    """pi_old against the behaviour log-probs, token by token, and the importance weights from it."""
+    mode: str  # "truncate" | "mask" | "off"
+    cap: float
+    gaps: list = field(default_factory=list)  # |log pi_old - log pi_b| on tokens with pi_b
+    raw: list = field(default_factory=list)  # untruncated weights pi_old / pi_b
+    outside: int = 0  # tokens with pi_old = 0 (outside the learner's nucleus)
+    tokens: int = 0
+    entropy_sum: float = 0.0
+
+    def weights(self, old: "torch.Tensor", behaviour: "torch.Tensor", known: "torch.Tensor",
+                mask: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+        """(weights, kept mask) [b, W] for one micro-batch, recording its mismatch. Rows without
+        known behaviour log-probs (`known` [b] False) get weight 1."""
+        import torch
+        on = mask.bool() & known.unsqueeze(-1)
+        log_ratio = (old - behaviour).clamp(-20.0, 20.0)  # verl clamps the same way before exp
+        ratio = torch.where(on, log_ratio.exp(), torch.ones_like(old)).detach()
+        self.gaps.append((old - behaviour)[on].abs().detach().cpu())
+        self.raw.append(ratio[on].cpu())
+        self.outside += int(((old <= LOGP_FLOOR) & mask.bool()).sum())
+        self.tokens += int(mask.sum())
+        return self._bound(ratio, mask)
+
+    def sequence_weights(self, old: "torch.Tensor", behaviour: "torch.Tensor", known: "torch.Tensor",
+                         mask: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+        """(weights, kept) [b] per sequence (GSPO): the geometric mean of its tokens' ratios, bounded
+        as the token weights are."""
+        import torch
+        self.weights(old, behaviour, known, mask)  # the token-level record, for the metrics
+        n = mask.sum(-1).clamp(min=1)
+        log_ratio = ((old - behaviour).clamp(-20.0, 20.0) * mask).sum(-1) / n
+        ratio = torch.where(known, log_ratio.exp(), torch.ones_like(log_ratio)).detach()
+        return self._bound(ratio, torch.ones_like(ratio))
+
+    def _bound(self, ratio: "torch.Tensor", mask: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+        import torch
+        if self.mode == "truncate":
+            return ratio.clamp(max=self.cap), mask
+        if self.mode == "mask":
+            inside = ((ratio <= self.cap) & (ratio >= 1.0 / self.cap)).to(mask.dtype)
+            return torch.ones_like(ratio), mask * inside
+        return torch.ones_like(ratio), mask
+
+    def add_entropy(self, logits: "torch.Tensor", mask: "torch.Tensor", temperature: Sequence[float],
+                    top_p: Sequence[float]) -> None:
+        """Entropy of the learner's sampling distribution at the completion positions (no gradient)."""
+        import torch
+
+        from unstable_dask.inference.sampling import sampling_logprobs
+        with torch.no_grad():
+            for i in range(logits.shape[0]):
+                at = mask[i].bool()
+                if not bool(at.any()):
+                    continue
+                lp = sampling_logprobs(logits[i][at], temperature[i], top_p[i])
+                p = lp.exp()
+                self.entropy_sum += float(-(torch.where(p > 0, p * lp, torch.zeros_like(lp))).sum())
+
+    def metrics(self) -> dict:
+        import torch
+        gaps = torch.cat(self.gaps) if self.gaps else torch.zeros(0)
+        raw = torch.cat(self.raw) if self.raw else torch.zeros(0)
+        out = dict(logp_gap_mean=float(gaps.mean()) if len(gaps) else None,
+                   logp_gap_max=float(gaps.max()) if len(gaps) else None,
+                   outside_nucleus_frac=self.outside / max(self.tokens, 1),
+                   entropy=self.entropy_sum / max(self.tokens, 1) if self.entropy_sum else None)
+        if len(raw):
+            high = (raw > self.cap) | ((raw < 1.0 / self.cap) if self.mode == "mask" else torch.zeros_like(raw, dtype=torch.bool))
+            out.update(is_weight_mean=float(raw.mean()), is_weight_max=float(raw.max()),
+                       is_bounded_frac=float(high.float().mean()),
+                       is_ess=float(raw.mean() ** 2 / (raw ** 2).mean()))
+        return out
+
+
+def step_is_zero(optimizer: Any) -> bool:
+    """True when the accumulated gradient is exactly zero everywhere (or absent): AdamW would still
+    move the weights by its momentum, so such a step is skipped."""
+    return all(p.grad is None or not bool(p.grad.any()) for g in optimizer.param_groups for p in g["params"])
