@@ -126,7 +126,7 @@ def test_rounds_played_before_exact_tokens_are_refused(tmp_path):
     make_lake(lake, rounds=1, games=12, seed=1, first=2)
     with pytest.raises(JobError, match=message):
         learn(job_for(lake, window="all"))
-    assert learn(job_for(lake)).rounds == [2]
+    assert learn(job_for(lake, window=1)).rounds == [2]  # "latest" holds the untrained old round too
 
 
 def test_preview_at_version_reproduces_the_batch_a_checkpoint_trained_on(tmp_path):
@@ -152,3 +152,45 @@ def test_preview_at_version_reproduces_the_batch_a_checkpoint_trained_on(tmp_pat
         learn(job, preview=True, at_version="ckpt-9")
     with pytest.raises(JobError, match="--preview or --show-sql"):
         learn(job, at_version="ckpt-1")
+
+
+@pytest.mark.parametrize("transform,shows", [
+    ("SELECT * REPLACE (reward / (completion_tokens - completion_tokens) AS reward) FROM steps", "inf"),
+    ("SELECT * REPLACE (CAST(NULL AS DOUBLE) AS reward) FROM steps", "NULL"),
+])
+def test_a_transform_giving_non_finite_rewards_stops_learn_with_one_line_and_commits_nothing(
+        tmp_path, capsys, transform, shows):
+    from unstable_dask.cli import main
+    lake = make_lake(tmp_path / "lake", rounds=1, games=12)
+    code = main(["learn", "--set", f'run.name="{RUN}"', "--set", f'run.lake="{lake}"', "--set", "learn.batch_size=8",
+                 "--set", "learn.mini_batch_size=4", "--set", "learn.step_transforms=[" + repr(transform).replace("'", '"') + "]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "learn.step_transforms[0]" in err and f"gives a {shows}" in err.replace("-inf", "inf").replace("nan", "inf")
+    assert not Lake(lake).table("checkpoints").files() and not (lake / "adapters").exists()
+
+
+def test_an_update_to_non_finite_weights_is_never_committed(tmp_path):
+    """Advantages finite in the lake's float64 but past float32: the loss overflows; nothing commits."""
+    lake = make_lake(tmp_path / "lake", rounds=1, games=12)
+    huge = ["SELECT * REPLACE (reward * 1e300 AS reward) FROM steps"]
+    with pytest.raises(JobError, match=r"the update of ckpt-1 of run 't' gave loss (nan|-?inf).*; nothing is committed"):
+        learn(job_for(lake, step_transforms=huge, sampling_transforms=[]))
+    assert not Lake(lake).table("checkpoints").files() and not (lake / "adapters").exists()
+
+
+def test_settings_changed_after_the_first_checkpoint_apply_or_are_refused(tmp_path):
+    """A resumed trainer loads the parent's AdamW state, but learn.lr and learn.weight_decay are the
+    job's (learner_steps shows what ran); a LoRA shape other than the parent's is refused."""
+    lake = make_lake(tmp_path / "lake", rounds=1, games=12)
+    learn(job_for(lake, lr=1e-3))
+    make_lake(lake, rounds=1, games=12, seed=1, first=2, uid="ckpt-1")
+    bigger = validate_job({"run": {"name": RUN, "lake": str(lake)},
+                           "learn": dict(batch_size=8, mini_batch_size=4, gradient_checkpointing=False),
+                           "model": {"lora": {"rank": 8, "alpha": 8}, "max_new_tokens": 8}})
+    with pytest.raises(JobError, match=r"model.lora.rank' has value 8 but the run's newest checkpoint was trained with 4"):
+        learn(bigger)
+    r = learn(job_for(lake, lr=3e-3, weight_decay=0.05))
+    assert r.steps[0]["lr"] == 3e-3
+    lrs = Lake(lake).sql("SELECT iteration, lr FROM learner_steps ORDER BY iteration").to_pylist()
+    assert [(x["iteration"], x["lr"]) for x in lrs] == [(1, 1e-3), (2, 3e-3)]

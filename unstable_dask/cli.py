@@ -117,6 +117,11 @@ def cmd_learn(args) -> None:
     _print_table([{k: s.get(k) for k in keys} for s in out.steps], title=f"learner_steps of {out.uid}")
 
 
+def cmd_rollback(args) -> None:
+    from unstable_dask.learn.learner import rollback
+    console.print(str(rollback(_job(args), args.to)), highlight=False)
+
+
 def cmd_rate(args) -> None:
     job = _job(args)
     from unstable_dask.rate.ratings import rate
@@ -220,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--at-version", metavar="CKPT", help="with --preview/--show-sql: the batch a trained checkpoint "
                     "(uid or iteration) was trained on, read from the lake versions it recorded")
     sp.add_argument("--update", type=int, default=0, help="which update's batch --preview/--show-sql shows")
+    sp = add("rollback", "retire a run's checkpoints newer than --to, and the rounds they played, so the run goes on from it")
+    sp.add_argument("--to", required=True, metavar="CKPT", help="the checkpoint to go on from (uid, e.g. ckpt-3, or base)")
     sp = add("rate", "recompute TrueSkill and Bradley-Terry ratings from every committed game")
     sp.add_argument("--full", action="store_true", help="ignore the saved replay state (same result, slower)")
     sp = add("report", "write the HTML report to reports/<run>/index.html")
@@ -254,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"round": cmd_round, "eval": lambda a: cmd_round(a, eval_only=True), "learn": cmd_learn,
+            "rollback": cmd_rollback,
             "rate": cmd_rate, "report": cmd_report, "loop": cmd_loop, "track": cmd_track, "sql": cmd_sql,
             "cluster": cmd_cluster, "compact": cmd_compact, "vacuum": cmd_vacuum, "migrate": cmd_migrate}
 

@@ -236,8 +236,8 @@ class LearnConfig(_Strict):
     """Rows (learner turns) per sampled batch; GRPO/GSPO and A2C take whole groups / seats up to it."""
     mini_batch_size: int = Field(8, gt=0)
     """Micro-batch: rows per forward/backward pass; gradients accumulate over the batch."""
-    lr: float = Field(1e-5, gt=0.0)
-    """AdamW learning rate of the LoRA adapter."""
+    lr: float = Field(1e-5, gt=0.0, le=1.0)
+    """AdamW learning rate of the LoRA adapter (at most 1: a larger step diverges at once)."""
     grad_clip: float = Field(0.2, gt=0.0)
     """Clip of the gradient's global norm before each optimizer step (UnstableBaselines: 0.2)."""
     weight_decay: float = Field(0.0, ge=0.0)

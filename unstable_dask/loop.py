@@ -8,11 +8,12 @@ trained on is not trained again, an uncommitted round or checkpoint is redone fr
 """
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Optional
 
 from rich.console import Console
 
-from unstable_dask.cluster.client import open_client
+from unstable_dask.cluster.client import open_client, task_resources
 from unstable_dask.config import Job
 from unstable_dask.errors import JobError
 from unstable_dask.lake import Lake
@@ -75,34 +76,86 @@ def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = 
     """Play and train until run `job.run.name` has `rounds` rounds (0 .. rounds-1), each trained on.
 
     `rounds` is the run's total, so re-running the same command after a kill finishes the job.
+    With learn.max_staleness = k > 0 the next round plays while the learner trains, never with a
+    checkpoint more than k iterations behind the one that will train on it (`_overlapped`).
     Returns the LearnResults of the learner iterations this call made.
     """
-    from unstable_dask.play.round import play_round
     if rounds < 1:
         raise JobError(f"{job.source}: --rounds must be >= 1, got {rounds}")
     console = console or Console(stderr=True)
-    check_quantization(job, resolve_device(job))  # before the first round, not at the first update
-    run_name = job.run.name
-    results = []
+    device = resolve_device(job)
+    check_quantization(job, device)  # before the first round, not at the first update
     with open_client(job.cluster) as client:  # one cluster for the whole loop: engines stay resident
+        if job.learn.max_staleness > 0 and device == "cuda" and task_resources(job.cluster, client):
+            # The update runs on a GPU worker beside that worker's engine, which sleeps meanwhile.
+            console.print(f"learn.max_staleness = {job.learn.max_staleness}: the learner shares a GPU with an engine, "
+                          "which sleeps during updates, so nothing can play meanwhile; running lock-step",
+                          highlight=False)
+        elif job.learn.max_staleness > 0:
+            return _overlapped(job, rounds, client, console, rate)
+        return _lock_step(job, rounds, client, console, rate)
+
+
+def _lock_step(job: Job, rounds: int, client, console: Console, rate: bool) -> list:
+    from unstable_dask.play.round import play_round
+    results = []
+    while True:
+        lake = Lake(job.run.lake)  # the lake as it is now: one snapshot for this step's decisions
+        last = lake.last_round(job.run.name)
+        if last is not None and plan(job, lake) is not None:  # committed but not yet trained on
+            results.append(_learn(job, client, console, rate))
+        played = 0 if last is None else last + 1
+        if played >= rounds:
+            return results
+        _after_round(job, play_round(job, client=client, console=console), console)
+
+
+def _overlapped(job: Job, rounds: int, client, console: Console, rate: bool) -> list:
+    """Rounds and learner iterations at once, each in its own thread (the round's games run on the
+    cluster, the update in this process or on a GPU worker). Every decision reads the lake: round j
+    may start once the newest checkpoint is ckpt-(j - k) or later (the iteration that will train on
+    it is at most k ahead of the one that plays it); the learner trains whenever a committed round
+    is untrained. Killed anywhere and restarted, it picks up from what the lake holds."""
+    from unstable_dask.play.round import play_round
+    k, run_name = job.learn.max_staleness, job.run.name
+    results: list = []
+    with ThreadPoolExecutor(2, thread_name_prefix="loop") as pool:
+        playing: Optional[Future] = None
+        training: Optional[Future] = None
         while True:
-            lake = Lake(job.run.lake)  # the lake as it is now: one snapshot for this step's decisions
+            lake = Lake(job.run.lake)
             last = lake.last_round(run_name)
-            if last is not None and plan(job, lake) is not None:  # committed but not yet trained on
-                res = learn(job, client=client)
-                console.print(str(res))
-                results.append(res)
-                if rate:
-                    _rate_and_report(job, console)
-                _track(job, console)
-            played = 0 if last is None else last + 1
-            if played >= rounds:
+            newest = max((c["iteration"] for c in lake.table("checkpoints").rows(run_name)), default=0)
+            if training is None and last is not None and plan(job, lake) is not None:
+                training = pool.submit(_learn, job, client, console, rate)
+            upcoming = 0 if last is None else last + 1
+            if playing is None and upcoming < rounds and upcoming - newest <= k:
+                playing = pool.submit(play_round, job, client, console)
+            if playing is None and training is None:
                 return results
-            summary = play_round(job, client=client, console=console)
-            console.print(f"round {summary.round}: {summary.games} games, {summary.turns} turns "
-                          f"({summary.checkpoint_uid}, {summary.tokens_per_s:.0f} tok/s)", highlight=False)
-            for line in round_summary(job, summary.round):
-                console.print(line, highlight=False)
-            if job.run.compact_every and (summary.round + 1) % job.run.compact_every == 0:
-                _compact(job, console)
-            _track(job, console)
+            done, _ = wait([f for f in (playing, training) if f is not None], return_when=FIRST_COMPLETED)
+            if playing in done:
+                _after_round(job, playing.result(), console)
+                playing = None
+            if training in done:
+                results.append(training.result())
+                training = None
+
+
+def _learn(job: Job, client, console: Console, rate: bool):
+    res = learn(job, client=client)
+    console.print(str(res))
+    if rate:
+        _rate_and_report(job, console)
+    _track(job, console)
+    return res
+
+
+def _after_round(job: Job, summary, console: Console) -> None:
+    console.print(f"round {summary.round}: {summary.games} games, {summary.turns} turns "
+                  f"({summary.checkpoint_uid}, {summary.tokens_per_s:.0f} tok/s)", highlight=False)
+    for line in round_summary(job, summary.round):
+        console.print(line, highlight=False)
+    if job.run.compact_every and (summary.round + 1) % job.run.compact_every == 0:
+        _compact(job, console)
+    _track(job, console)

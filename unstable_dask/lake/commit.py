@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from typing import Any, Optional, Union
 
 import pyarrow as pa
+from deltalake.transaction import CommitProperties, Transaction
 
 from unstable_dask.lake import delta as dl
 from unstable_dask.lake import storage as st
@@ -150,6 +151,9 @@ def finish_commits(root: str, marker: str, run_name: str, log: dl.Snapshot) -> l
     part = _last_published(log, run_name)
     while True:
         app = dl.app_id(run_name, PARTITION[marker], part + 1)
+        if log.claimed(retired_app(app)):  # taken out by `run rollback`: not a commit to finish
+            part += 1
+            continue
         meta = dl.claim_metadata(root, marker, app, log.log) if log.claimed(app) else None
         if meta is None:
             return done
@@ -184,3 +188,26 @@ def remove_other_attempts(root: str, marker: str, run_name: str, part: int, atte
                 st.delete(p)
                 removed += 1
     return removed
+
+
+def retire(root: str, marker: str, run_name: str, parts: list[int]) -> None:
+    """Take committed partitions out of the lake (`run rollback`): the marker table's files first,
+    so readers stop seeing the partitions at once, then their data files, each a Delta delete on
+    the partition columns (files removed, none rewritten). The claims stay in the marker's log, so
+    those numbers are never committed again; the marker's delete also records `retired:<app id>`
+    for each, so `finish_commits` never mistakes them for commits a killed driver left unpublished."""
+    if not parts:
+        return
+    quoted = run_name.replace("'", "''")
+    predicate = f"run = '{quoted}' AND {PARTITION[marker]} IN ({', '.join(str(int(p)) for p in sorted(parts))})"
+    retired = [Transaction(retired_app(dl.app_id(run_name, PARTITION[marker], p)), 1) for p in parts]
+    for table in [marker, *data_tables(marker)]:
+        dt = dl.load(root, table)
+        if dt is not None:
+            props = CommitProperties(app_transactions=retired) if table == marker else None
+            dt.delete(predicate, commit_properties=props)
+
+
+def retired_app(app: str) -> str:
+    """The application id recording that the partition of `app` was retired."""
+    return f"retired:{app}"

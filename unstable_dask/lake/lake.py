@@ -104,14 +104,15 @@ class Lake:
         """An in-memory DuckDB connection with a view per table over the snapshot (read.connect)."""
         return read.connect(self.snapshot, read_only, self.uri)
 
-    def sql(self, query: str, params: Iterable = ()) -> pa.Table:
-        """A user's SELECT over the committed lake (read-only), as Arrow. A committed file that is
-        missing or torn is an error naming it, never fewer rows."""
+    def sql(self, query: str, params: Union[Iterable, dict] = ()) -> pa.Table:
+        """A user's SELECT over the committed lake (read-only), as Arrow; `params`: ? values in order,
+        or {name: value} for $name. A committed file that is missing or torn is an error naming it,
+        never fewer rows."""
         con = self.connect()
         try:
             read.check_select_only(con, query)
             try:
-                return con.sql(query, params=list(params) or None).to_arrow_table()
+                return con.sql(query, params=params if isinstance(params, dict) else (list(params) or None)).to_arrow_table()
             except duckdb.Error as e:
                 raise JobError(f"SQL error: {str(e).splitlines()[0]}") from None
         finally:
@@ -164,6 +165,11 @@ class Lake:
         if finished:
             self.refresh().refresh_catalog()
         return finished
+
+    def retire(self, marker: str, run_name: str, parts: list[int]) -> None:
+        """Take committed partitions (rounds, learner iterations) out of the lake; see commit.retire."""
+        commit.retire(self.root, marker, run_name, parts)
+        self.refresh().refresh_catalog()
 
     def remove_other_attempts(self, marker: str, run_name: str, part: int, attempt: str) -> int:
         return commit.remove_other_attempts(self.root, marker, run_name, part, attempt)

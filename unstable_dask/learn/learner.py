@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import duckdb
 import pyarrow as pa
@@ -83,13 +83,17 @@ def plan(job: Job, lake: Optional[Lake] = None) -> Optional[Plan]:
     died mid-commit); its versions are the plan's, so every batch of the iteration reads it."""
     lake, run_name = lake or Lake(job.run.lake), job.run.name
     lake.finish_commits("checkpoints", run_name)
-    rounds = window_rounds(lake.rounds(run_name), job.learn.window)
-    if not rounds:
+    committed = lake.rounds(run_name)
+    if not committed:
         raise JobError(f"{job.source}: run '{run_name}' has no committed round in lake '{lake.uri}'; play a round first")
     ckpts = lake.table("checkpoints").rows(run_name, order_by="iteration")
     parent = ckpts[-1] if ckpts else None
-    if parent is not None and max(parent["rounds_trained"] or [-1]) >= rounds[-1]:
+    trained = max(parent["rounds_trained"] or [-1]) if parent else -1
+    if trained >= committed[-1]:
         return None
+    # "latest": every round the parent has not trained on (one in a lock-step loop; those the engines
+    # played meanwhile in an overlapped one)
+    rounds = window_rounds(committed, job.learn.window, trained)
     lineage = {BASE_UID: (0, None)} | {c["uid"]: (c["iteration"], c.get("adapter_sha256")) for c in ckpts}
     # Invariant: no update trains on samples more than learn.max_staleness iterations old.
     newest = parent["iteration"] if parent else 0
@@ -99,7 +103,7 @@ def plan(job: Job, lake: Optional[Lake] = None) -> Optional[Plan]:
         raise JobError(f"{job.source}: the rounds of learn.window {job.learn.window!r} ({rounds}) were played by "
                        f"checkpoints more than learn.max_staleness = {job.learn.max_staleness} iterations before "
                        f"{parent['uid'] if parent else BASE_UID}; play a round of the newest checkpoint first")
-    k = newest + 1
+    k = (lake.last_claimed("checkpoints", run_name) or 0) + 1  # after a rollback, numbers are not reused
     adapter = lake.location(parent["adapter_path"]) if parent and parent["adapter_path"] else None
     versions = {t: v for t, v in lake.versions.items() if v is not None}
     return Plan(run_name, k, f"ckpt-{k}", parent["uid"] if parent else BASE_UID, adapter, fresh, versions,
@@ -255,15 +259,17 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
             try:
                 sql = build_query(job, p, u, con)
                 batch = run_batch_query(con, sql)
+                if batch.num_rows == 0:
+                    raise JobError(f"{job.source}: no learner turns to train on in rounds {p.rounds} of run "
+                                   f"'{p.run_name}' (learn.window, or games without learner seats)")
+                check_finite_advantages(job, p, u, batch, con)
             finally:
                 con.close()
-            if batch.num_rows == 0:
-                raise JobError(f"{job.source}: no learner turns to train on in rounds {p.rounds} of run '{p.run_name}' "
-                               "(learn.window, or games without learner seats)")
+            served = served_weights(job, p, batch)  # before the update: rows of other weights are never trained on
             seed = p.seeds.get(u, batch_seed(job, p.iteration, u))
             m = trainer.update(batch, seed)
-            m.update(update=u, algorithm=job.learn.algorithm, checkpoint_uid=p.uid, batch_seed=seed,
-                     **served_weights(job, p, batch),
+            check_finite_update(job, p, m, trainer)
+            m.update(update=u, algorithm=job.learn.algorithm, checkpoint_uid=p.uid, batch_seed=seed, **served,
                      rounds=p.rounds, device=device, created_at=now(),
                      table_versions=json.dumps(p.versions, sort_keys=True), **_cuda_memory(device))
             steps.append(m)
@@ -297,6 +303,50 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
         if st.name(stale).startswith(f"{p.uid}.") and st.name(stale) != f"{p.uid}.{attempt}" and st.is_dir(stale):
             st.delete(stale)
     return LearnResult(p.run_name, p.iteration, p.uid, rel, p.rounds, steps)
+
+
+def check_finite_advantages(job: Job, p: Plan, update: int, batch: pa.Table, con: duckdb.DuckDBPyConnection) -> None:
+    """A non-finite or NULL advantage (a transform dividing by zero, a NULL it produced) never
+    reaches the optimizer: one line naming the first transform whose output has one."""
+    import math
+    bad = [(a, r) for a, r in zip(batch.column("advantage").to_pylist(), batch.to_pylist())
+           if a is None or not math.isfinite(a)]
+    if not bad:
+        return
+    value, row = bad[0]
+    where = f"turn {row['turn']} of game {row['game_id']} (round {row['round']})"
+    cfg, spec = job.learn, algorithms.spec(job.learn.algorithm)
+    stages = {"final": cfg.final_transforms, "step": cfg.step_transforms,
+              "sampling": cfg.sampling_transforms if spec.sampling_on == "rewards" else []}
+    parsed = {s: parse_transforms(t, s, con) for s, t in stages.items()}
+    seed = p.seeds.get(update, batch_seed(job, p.iteration, update))
+    upto: dict[str, list] = {s: [] for s in stages}
+    for stage, transforms in parsed.items():  # the pipelines up to each transform in turn
+        for i, t in enumerate(transforms):
+            upto[stage].append(t)
+            sql = batch_query(p.run_name, p.rounds, cfg.batch_size, seed, upto["final"], upto["step"], upto["sampling"],
+                              unit=spec.unit)
+            values = run_batch_query(con, sql).column("advantage").to_pylist()
+            if any(v is None or not math.isfinite(v) for v in values):
+                raise JobError(f"{job.source}: key 'learn.{stage}_transforms[{i}]' has value {stages[stage][i]!r}: it "
+                               f"gives a {'NULL' if value is None else value} reward (first at {where}); nothing "
+                               "was trained or committed")
+    raise JobError(f"{job.source}: the reward transforms give a {'NULL' if value is None else value} advantage at "
+                   f"{where}; nothing was trained or committed")
+
+
+def check_finite_update(job: Job, p: Plan, metrics: dict, trainer: Any) -> None:
+    """A non-finite loss, gradient or weight never becomes a checkpoint."""
+    import math
+
+    import torch
+    bad = [k for k in ("loss", "grad_norm") if metrics.get(k) is not None and not math.isfinite(metrics[k])]
+    weights = [n for n, w in trainer.policy.named_parameters() if w.requires_grad and not bool(torch.isfinite(w).all())]
+    if bad or weights:
+        what = ", ".join(f"{k} {metrics[k]}" for k in bad) or f"non-finite weights ({weights[0]}...)"
+        raise JobError(f"{job.source}: the update of {p.uid} of run '{p.run_name}' gave {what}; nothing is committed "
+                       f"(learn.lr = {job.learn.lr:g}, learn.grad_clip = {job.learn.grad_clip:g}: lower them, or check "
+                       "the reward transforms)")
 
 
 def served_weights(job: Job, p: Plan, batch: pa.Table) -> dict:
@@ -346,3 +396,36 @@ def _cuda_memory(device: str) -> dict:
     import torch
     return dict(cuda_mem_allocated=torch.cuda.memory_allocated(), cuda_mem_reserved=torch.cuda.memory_reserved(),
                 cuda_mem_peak=torch.cuda.max_memory_allocated())
+
+
+@dataclass
+class Rollback:
+    run_name: str
+    to: str
+    checkpoints: list[str]
+    rounds: list[int]
+
+    def __str__(self) -> str:
+        return (f"rollback: run '{self.run_name}' goes on from {self.to}; retired {', '.join(self.checkpoints)} and the "
+                f"round(s) they played {self.rounds} (the rounds {self.to} played stay)")
+
+
+def rollback(job: Job, to: str) -> Rollback:
+    """Retire every checkpoint of the run newer than `to` (a checkpoint uid, or "base") and every round
+    those checkpoints played, so the run goes on from `to`: the next learn trains `to` again on the
+    rounds it played and the next round plays it. Numbers are not reused (ckpt-k and round r of the
+    retired ones stay claimed in the log); their adapter folders stay until `run vacuum`."""
+    lake, run_name = Lake(job.run.lake), job.run.name
+    ckpts = lake.table("checkpoints").rows(run_name, order_by="iteration")
+    by_uid = {BASE_UID: 0} | {c["uid"]: c["iteration"] for c in ckpts}
+    if to not in by_uid:
+        raise JobError(f"--to {to!r}: run '{run_name}' in lake '{lake.uri}' has no such checkpoint "
+                       f"(its checkpoints: {', '.join(by_uid)})")
+    retired = [c["uid"] for c in ckpts if c["iteration"] > by_uid[to]]
+    if not retired:
+        raise JobError(f"--to {to!r}: it is the newest checkpoint of run '{run_name}'; nothing to roll back")
+    rounds = [r for r, uid in lake.connect().sql("SELECT round, checkpoint_uid FROM rounds WHERE run = ?",
+                                                 params=[run_name]).fetchall() if uid in retired]
+    lake.retire("rounds", run_name, rounds)  # the rounds first: no learner may train on them meanwhile
+    lake.retire("checkpoints", run_name, [by_uid[u] for u in retired])
+    return Rollback(run_name, to, retired, sorted(rounds))

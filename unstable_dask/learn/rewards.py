@@ -371,13 +371,14 @@ def transform_values(sampling: Sequence[Transform], batch, values: Sequence[floa
     return [r[0] for r in out]
 
 
-def window_rounds(committed: Sequence[int], window: Union[str, int]) -> list[int]:
-    """The committed rounds a learner samples from: latest, all, or the last k."""
+def window_rounds(committed: Sequence[int], window: Union[str, int], trained: Optional[int] = None) -> list[int]:
+    """The committed rounds a learner samples from: "latest" (the rounds after `trained`, the newest
+    round the parent checkpoint trained on; the newest round alone when None), "all", or the last k."""
     rounds = sorted(committed)
     if not rounds:
         return []
     if window == "latest":
-        return rounds[-1:]
+        return [r for r in rounds if r > trained] if trained is not None else rounds[-1:]
     if window == "all":
         return rounds
     if isinstance(window, int) and window > 0:

@@ -89,6 +89,7 @@ class Trainer:
         torch.manual_seed(job.run.seed)  # LoRA init (A ~ kaiming, B = 0) and the value head
         base = _backbone(AutoModelForCausalLM, path, job, device)
         if parent_adapter:
+            check_lora_shape(job, Path(parent_adapter))
             self.policy = PeftModel.from_pretrained(base, parent_adapter, is_trainable=True)
         else:
             self.policy = get_peft_model(base, lora_config(job, "CAUSAL_LM"))
@@ -96,6 +97,7 @@ class Trainer:
         self.updates = 0
         if parent_adapter and (Path(parent_adapter) / "optimizer.pt").is_file():
             self.optimizer.load_state_dict(torch.load(Path(parent_adapter) / "optimizer.pt", map_location=device))
+            _apply_settings(self.optimizer, self.cfg.lr, self.cfg.weight_decay)  # the job's, not the parent's
             state = Path(parent_adapter) / "trainer_state.json"
             self.updates = json.loads(state.read_text())["updates"] if state.is_file() else 0
         self.algorithm = algorithms.module(self.cfg.algorithm)
@@ -122,6 +124,7 @@ class Trainer:
             self.critic_optimizer = _adamw(self.critic.parameters(), cast(Any, self.cfg).critic_lr, job)
             if cdir is not None and (cdir / "critic_optimizer.pt").is_file():
                 self.critic_optimizer.load_state_dict(torch.load(cdir / "critic_optimizer.pt", map_location=device))
+                _apply_settings(self.critic_optimizer, cast(Any, self.cfg).critic_lr, self.cfg.weight_decay)
 
     def batch(self, table: pa.Table, seed: int = 0) -> algorithms.Batch:
         """The tensors an update needs from the batch query's rows: exact ids, advantages, settings."""
@@ -181,6 +184,26 @@ class Trainer:
             critic.body.save_pretrained(str(cdir))
             torch.save(critic.head.state_dict(), cdir / "value_head.pt")
             torch.save(cast(torch.optim.Optimizer, self.critic_optimizer).state_dict(), cdir / "critic_optimizer.pt")
+
+
+def _apply_settings(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float) -> None:
+    """A resumed AdamW keeps its moments but takes this job's lr and weight decay: load_state_dict
+    restores the parent's, which would silently win over a changed learn.lr."""
+    for group in optimizer.param_groups:
+        group["lr"], group["weight_decay"] = lr, weight_decay
+
+
+def check_lora_shape(job: Job, adapter: Path) -> None:
+    """The parent adapter's LoRA shape is the job's: peft would load the parent's and ignore model.lora."""
+    saved = json.loads((adapter / "adapter_config.json").read_text())
+    want = job.model.lora
+    pairs = [("rank", saved.get("r"), want.rank), ("alpha", saved.get("lora_alpha"), want.alpha),
+             ("target_modules", sorted(saved.get("target_modules") or []), sorted(want.target_modules))]
+    for key, had, asked in pairs:
+        if had != asked:
+            raise JobError(f"{job.source}: key 'model.lora.{key}' has value {asked!r} but the run's newest checkpoint "
+                           f"was trained with {had!r}; an adapter keeps its shape for the whole run: change it back, "
+                           "or start a new run (run.name)")
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -35,7 +35,7 @@ SPEC = Spec(unit="seat", sampling_on="advantages", critic=True)
 class Config(reinforce.Config):
     """[learn] with algorithm = "a2c": REINFORCE's settings (the actor's step) plus the critic's."""
     algorithm: Literal["a2c"] = "a2c"  # type: ignore[assignment]
-    critic_lr: float = Field(5e-5, gt=0.0)
+    critic_lr: float = Field(5e-5, gt=0.0, le=1.0)
     """AdamW learning rate of the critic (its own LoRA adapter and value head)."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """GAE discount (UnstableBaselines: 1)."""
