@@ -62,7 +62,7 @@ def test_on_the_fp32_path_the_weights_are_one_and_the_loss_is_unchanged(lake_dir
     out = {}
     for mode in ("truncate", "off"):
         tmp = copy_of(lake_dir, tmp_path_factory.mktemp(mode))
-        (step,) = learn(make_job(tmp, is_mode=mode, ppo_epochs=2, ppo_mini_batch_size=8)).steps
+        (step,) = learn(make_job(tmp, is_mode=mode, dtype="float32", ppo_epochs=2, ppo_mini_batch_size=8)).steps
         out[mode] = step
     on = out["truncate"]
     assert on["dtype"] == "float32" and on["samples"] > 0
@@ -85,6 +85,9 @@ def test_a_bf16_learner_on_an_fp32_lake_starts_at_ratio_one_and_shows_the_mismat
     assert step["dtype"] == "bfloat16" and step["clip_frac_first"] == 0
     assert 1e-4 < step["logp_gap_mean"] < 0.1  # bf16 vs fp32: ~1e-3 per token (measured 1.5e-3 median)
     assert step["is_weight_max"] > 1 + 1e-4  # the weights carry the mismatch instead of the clip
+    # The second optimizer step's forward sees the first step's weights: with autocast's weight cache
+    # on across steps it saw the old bf16 copies, and ppo_kl was exactly 0 (the policy never moved).
+    assert abs(step["ppo_kl"]) > 1e-6
     row = Lake(job.run.lake).sql("SELECT clip_frac_first, logp_gap_mean, dtype FROM learner_steps").to_pylist()[0]
     assert row["dtype"] == "bfloat16" and row["logp_gap_mean"] == pytest.approx(step["logp_gap_mean"])
 

@@ -168,6 +168,19 @@ def test_learning_curves_show_the_lakes_numbers(tmp_path: Path, local_client) ->
         lo, hi = _wilson(inv, len(ev))
         tips[("eval", r)] = f"{inv:.6g} (95% CI {lo:.6g} .. {hi:.6g})"
 
+    # Where the hardware waited: lock-step, so the update ran between the two rounds, not inside one.
+    from unstable_dask.report.timeline import timeline
+    con = Lake(job.run.lake).connect()
+    busy = timeline(con, job.run.name)
+    steps = con.sql("SELECT sum(step_time_s) FROM learner_steps").fetchall()[0][0]
+    con.close()
+    assert [t["round"] for t in busy] == [0, 1]
+    assert all(0 < f <= 1 for t in busy for f in t["workers"].values())
+    assert busy[0]["learner_in_round_s"] == 0 and busy[0]["learner_in_gap_s"] == pytest.approx(steps, rel=1e-6)
+    html = page.read_text()
+    section = html[html.index('id="timeline"'):]
+    assert section[:section.index("</section>")].count("<tr><td>") == 2
+
     with opened(page) as (pg, errors):
         captions = pg.locator("#curves figcaption").all_inner_texts()
         assert len(captions) == 5, captions  # win rate, invalid moves, format, length, TrueSkill

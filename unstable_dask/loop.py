@@ -112,10 +112,9 @@ def _lock_step(job: Job, rounds: int, client, console: Console, rate: bool) -> l
 
 def _overlapped(job: Job, rounds: int, client, console: Console, rate: bool) -> list:
     """Rounds and learner iterations at once, each in its own thread (the round's games run on the
-    cluster, the update in this process or on a GPU worker). Every decision reads the lake: round j
-    may start once the newest checkpoint is ckpt-(j - k) or later (the iteration that will train on
-    it is at most k ahead of the one that plays it); the learner trains whenever a committed round
-    is untrained. Killed anywhere and restarted, it picks up from what the lake holds."""
+    cluster, the update in this process or on a GPU worker). Every decision reads the lake: a round
+    may start while at most k committed rounds are ahead of the newest checkpoint (`_ahead`); the
+    learner trains whenever a committed round is untrained. Killed anywhere and restarted, it picks up from what the lake holds."""
     from unstable_dask.play.round import play_round
     k, run_name = job.learn.max_staleness, job.run.name
     results: list = []
@@ -125,11 +124,10 @@ def _overlapped(job: Job, rounds: int, client, console: Console, rate: bool) -> 
         while True:
             lake = Lake(job.run.lake)
             last = lake.last_round(run_name)
-            newest = max((c["iteration"] for c in lake.table("checkpoints").rows(run_name)), default=0)
             if training is None and last is not None and plan(job, lake) is not None:
                 training = pool.submit(_learn, job, client, console, rate)
             upcoming = 0 if last is None else last + 1
-            if playing is None and upcoming < rounds and upcoming - newest <= k:
+            if playing is None and upcoming < rounds and _ahead(lake, run_name) <= k:
                 playing = pool.submit(play_round, job, client, console)
             if playing is None and training is None:
                 return results
@@ -140,6 +138,16 @@ def _overlapped(job: Job, rounds: int, client, console: Console, rate: bool) -> 
             if training in done:
                 results.append(training.result())
                 training = None
+
+
+def _ahead(lake: Lake, run_name: str) -> int:
+    """Committed rounds the newest checkpoint has not trained on. The next round plays the newest
+    checkpoint, and a later iteration trains on it; with at most k rounds ahead, that iteration is at
+    most k past the one that played it. Counted from the lake, not from round and iteration numbers,
+    which drift apart after a rollback (numbers are never reused)."""
+    ckpts = lake.table("checkpoints").rows(run_name, order_by="iteration")
+    trained = max(ckpts[-1]["rounds_trained"] or [-1]) if ckpts else -1
+    return sum(1 for r in lake.rounds(run_name) if r > trained)
 
 
 def _learn(job: Job, client, console: Console, rate: bool):

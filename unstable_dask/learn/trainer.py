@@ -153,7 +153,11 @@ class Trainer:
             m.update(loss=0.0, pg_loss=0.0, optimizer_steps=0, skipped_steps=0, step_time_s=time.perf_counter() - t0)
             return m
         batch = self.batch(table, seed)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16):
+        # cache_enabled=False: autocast caches the bf16 copy of each weight for the whole context, so
+        # with several optimizer steps inside it every forward after the first would see the LoRA
+        # weights as they were before the first step (the policy would never move: ppo_kl exactly 0).
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16,
+                            cache_enabled=False):
             m.update(self.algorithm.update(self, batch, self.cfg, self.device))
         m.update(batch.mismatch.metrics())
         gap = m.get("logp_gap_mean")

@@ -23,12 +23,14 @@ from markupsafe import Markup
 from unstable_dask.config import Job
 from unstable_dask.lake import Lake
 from unstable_dask.report import arena
+from unstable_dask.report.timeline import timeline
 
 HERE = Path(__file__).resolve().parent
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
            "#7f7f7f"]
 MAX_SERIES = 12  # lines per chart; the rest are left out (named in the caption)
 SAMPLES_PER_MODEL = 2  # transcript games per checkpoint
+TIMELINE_ROUNDS = 50  # rows of the timeline table: the newest rounds (the report stays small as runs grow)
 MAX_TURN_CHARS = 4000  # long prompts/observations are cut (the lake keeps them whole)
 
 
@@ -204,6 +206,7 @@ def gather(lake: Lake, run_name: str) -> dict[str, Any]:
             WHERE g.run = ? GROUP BY ALL ORDER BY g.env_id, g.split""", [run_name])
         learner = _learner(con, run_name)
         samples = _samples(con, run_name)
+        busy = timeline(con, run_name)
     finally:
         con.close()
     envs = list(boards)
@@ -221,7 +224,7 @@ def gather(lake: Lake, run_name: str) -> dict[str, Any]:
                                                                             for i, r in ck_pts]})
     return {"run": run_name, "envs": envs, "boards": boards, "hist_chart": hist_chart, "ckpt_chart": ckpt_chart,
             "heatmap": heatmap(h2h), "arena": arena_views, "curves": curves, "curve_charts": curve_charts(curves), "per_env": per_env,
-            "learner": learner, "samples": samples, "checkpoints": ckpts}
+            "learner": learner, "samples": samples, "checkpoints": ckpts, "timeline": busy[-TIMELINE_ROUNDS:]}
 
 
 def curve_charts(curves: list[dict]) -> dict[str, Optional[dict]]:
