@@ -227,3 +227,42 @@ def test_round_plays_groups_with_exact_tokens(tmp_path, local_client):
     assert commit == [(0.9, 0.95, 16)]
     logits, targets, _ = completion_logits(path, ids, gens)
     logprob_check.check(logits, targets, torch.tensor([x for r in sample for x in r["logprobs"]]), *commit[0][:2])
+
+
+@pytest.mark.slow
+def test_eval_baseline_replays_every_eval_game_with_legal_random_in_the_learners_seat(tmp_path):
+    """round.eval_baseline: each eval game is played again on the same env, seed and opponents with
+    legal-random in the learner's seat, which never makes an invalid move in TicTacToe; the curves
+    report its win rate beside the learner's, counted exactly as the learner's is."""
+    from unstable_dask.config import LEGAL_RANDOM_UID
+    from unstable_dask.report.report import round_curves
+    ttt = {"env_id": "TicTacToe-v0-train", "num_players": 2, "num_actors": 1, "opponents": ["random"]}
+    job = _job(tmp_path, **{"round.eval_envs": [ttt], "round.eval_baseline": True, "round.eval_games": 6,
+                            "round.train_games": 0})
+    lake = Lake(job.run.lake)
+    cks = list_checkpoints(lake, "demo")
+    tasks = schedule_round(job, lake, 0, cks[-1], cks)
+    games = [g for t in tasks for g in t.games]
+    evals = {g.game_id: g for g in games if g.split == "eval"}
+    twins = [g for g in games if g.split == "baseline"]
+    assert len(evals) == len(twins) == 6
+    for b in twins:
+        e = evals[b.game_id.replace("-baseline-", "-eval-")]
+        assert (b.env_id, b.seed) == (e.env_id, e.seed)
+        assert [s.model_uid if not s.is_learner else LEGAL_RANDOM_UID for s in e.seats] == [s.model_uid for s in b.seats]
+        assert not any(s.is_learner for s in b.seats)
+    for t in tasks:
+        play_task(t, job.model, job.round, lake)
+    lake.commit_round("demo", 0, dict(attempt="0", checkpoint_uid=BASE_UID, games=12, temperature=1.0, top_p=1.0,
+                                      max_new_tokens=16))
+    lake = Lake(job.run.lake)
+    con = lake.connect()
+    invalid = con.sql(f"""SELECT count(*) FILTER (WHERE invalid_move), count(*) FROM turns
+                          WHERE split = 'baseline' AND model_uid = '{LEGAL_RANDOM_UID}'""").fetchall()[0]
+    assert invalid[0] == 0 and invalid[1] > 0
+    seats = con.sql(f"""SELECT s.reward, o.reward FROM seats s JOIN seats o ON o.game_id = s.game_id AND o.pid <> s.pid
+                        WHERE s.split = 'baseline' AND s.model_uid = '{LEGAL_RANDOM_UID}'""").fetchall()
+    expected = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in seats) / len(seats)
+    (row,) = [r for r in round_curves(con, "demo", 0) if r["split"] == "baseline" and r["opponent"] == RANDOM_UID]
+    assert row["games"] == 6 and row["win_rate"] == pytest.approx(expected)
+    assert row["win_rate_low"] <= row["win_rate"] <= row["win_rate_high"]

@@ -57,12 +57,14 @@ class _Strict(BaseModel):
 # Opponent names that are not checkpoints or endpoints; also their model_uids in the lake.
 BASE_UID = "base"
 RANDOM_UID = "random"
+# The eval baseline (round.eval_baseline): the random agent, which plays a legal move, in the learner's seats.
+LEGAL_RANDOM_UID = "legal-random"
 CHECKPOINT_UID = re.compile(r"ckpt-\d+")  # the learner names its checkpoints ckpt-<k> (learn.py)
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # run and endpoint names: safe in paths and messages
 
 
 def reserved_uid(uid: str) -> bool:
-    return uid in (BASE_UID, RANDOM_UID) or CHECKPOINT_UID.fullmatch(uid) is not None
+    return uid in (BASE_UID, RANDOM_UID, LEGAL_RANDOM_UID) or CHECKPOINT_UID.fullmatch(uid) is not None
 
 
 class RunConfig(_Strict):
@@ -197,6 +199,11 @@ class RoundConfig(_Strict):
     group_size: int = Field(1, ge=1)
     train_games: int = Field(16, ge=0, validate_default=True)  # games played, a multiple of group_size
     eval_games: int = Field(4, ge=0)
+    eval_baseline: bool = False
+    """Play every eval game a second time (split `baseline`: same env, seed, seats and opponents)
+    with `legal-random`, the random agent that picks a legal move, in the learner's seats. The
+    curves show its win rate beside the learner's: a model that only learned to move legally
+    scores like it, so a learning claim is one whose interval lies above it."""
     games_per_task: int = Field(8, gt=0)  # a task = one Dask task writing one file per table
     concurrency: int = Field(8, gt=0)  # games in flight inside one task (one batched generate per step)
     max_turns: int = Field(200, gt=0)  # safety cap on turns per game
@@ -208,8 +215,10 @@ class RoundConfig(_Strict):
 
     @model_validator(mode="after")
     def _games_cap(self) -> "RoundConfig":
-        if self.train_games + self.eval_games > MAX_GAMES_PER_ROUND:
-            raise ValueError(f"train_games + eval_games = {self.train_games + self.eval_games:,}: a round plays at most "
+        total = self.train_games + self.eval_games * (2 if self.eval_baseline else 1)
+        if total > MAX_GAMES_PER_ROUND:
+            what = "train_games + 2 x eval_games (eval_baseline)" if self.eval_baseline else "train_games + eval_games"
+            raise ValueError(f"{what} = {total:,}: a round plays at most "
                              f"{MAX_GAMES_PER_ROUND:,} games (config.MAX_GAMES_PER_ROUND); play more rounds instead")
         return self
 
@@ -254,7 +263,8 @@ class LearnConfig(_Strict):
     """Where the update runs; auto: a GPU worker of the cluster, or this machine's GPU, else CPU."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Precision of the learner's forward passes (bf16 autocast, LoRA weights stay fp32). auto:
-    bfloat16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX), else float32."""
+    bfloat16 on CUDA, and on CPUs with native bf16 (AVX-512 BF16, AMX) for models of hidden size >= 512
+    (smaller ones run slower in bf16 on a CPU), else float32."""
     is_mode: Literal["truncate", "mask", "off"] = "truncate"
     """How the engine's log-probs (pi_b) enter the loss, through w = pi_old / pi_b per token:
     "truncate" multiplies each token's term by min(w, is_cap) (TIS); "mask" drops tokens with w

@@ -9,22 +9,23 @@ the same games and every task writes the same file names.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import textarena as ta
 
-from unstable_dask.config import EnvSpec, Job
+from unstable_dask.config import LEGAL_RANDOM_UID, EnvSpec, Job
 from unstable_dask.errors import JobError
 from unstable_dask.lake import Lake
-from unstable_dask.play.opponents import Checkpoint, OpponentPool, Seat
+from unstable_dask.play.opponents import Checkpoint, OpponentPool, RandomAgent, Seat
 
 
 @dataclass(frozen=True)
 class GameSpec:
     game_id: str
-    split: str  # train | eval
+    split: str  # train | eval | baseline (round.eval_baseline)
     env_id: str
     seed: int  # the env seed: one per group, so a group's games start from the same state
     group_id: str  # <run>-r<round>-<split>-g<index>: games of one start state (eval: one game each)
@@ -103,7 +104,18 @@ def schedule_games(job: Job, lake: Lake, round_: int, current: Checkpoint,
                 games.append(GameSpec(
                     game_id=f"{prefix}-{k:05d}", split=split, env_id=spec.env_id, seed=seed,
                     group_id=f"{prefix}-g{i:05d}", template=spec.template or job.model.template, seats=tuple(seats)))
+    if job.round.eval_baseline:
+        games += [baseline_twin(g) for g in games if g.split == "eval"]
     return games
+
+
+def baseline_twin(game: GameSpec) -> GameSpec:
+    """The eval game replayed with legal-random in the learner's seats: same env, seed and
+    opponents, so the learner's eval win rate and the baseline's differ only by who moved."""
+    legal = RandomAgent(LEGAL_RANDOM_UID)
+    seats = tuple(legal.seat(s.pid) if s.is_learner else s for s in game.seats)
+    return dataclasses.replace(game, game_id=game.game_id.replace("-eval-", "-baseline-"), split="baseline",
+                               group_id=game.group_id.replace("-eval-", "-baseline-"), seats=seats)
 
 
 def schedule_round(job: Job, lake: Lake, round_: int, current: Checkpoint,

@@ -20,7 +20,7 @@ import jinja2
 import pyarrow as pa
 from markupsafe import Markup
 
-from unstable_dask.config import Job
+from unstable_dask.config import LEGAL_RANDOM_UID, Job
 from unstable_dask.lake import Lake
 from unstable_dask.report import arena
 from unstable_dask.report.timeline import timeline
@@ -43,16 +43,18 @@ MAX_TURN_CHARS = 4000  # long prompts/observations are cut (the lake keeps them 
 # takes as is). Turns of one game are not independent, so the turn-level interval is narrower
 # than the truth. mu/sigma: the checkpoint's overall TrueSkill after the round (`run rate`).
 CURVES_SQL = """
-WITH games_ AS (
+WITH subject_ AS (  -- the seats under study: the learner's, and in baseline games legal-random's in its place
+    SELECT *, is_learner OR (split = 'baseline' AND model_uid = '""" + LEGAL_RANDOM_UID + """') AS subject FROM seats),
+games_ AS (
     SELECT run, round, game_id, avg(num_turns) AS num_turns, max(reward) AS best, min(reward) AS worst,
            CASE WHEN count(*) = 1 THEN 'solo' ELSE coalesce(string_agg(DISTINCT model_uid, '+' ORDER BY model_uid)
-               FILTER (WHERE NOT is_learner), 'self') END AS opponent
-    FROM seats GROUP BY run, round, game_id),
+               FILTER (WHERE NOT subject), 'self') END AS opponent
+    FROM subject_ GROUP BY run, round, game_id),
 seats_ AS (  -- a single-player game is won with a reward > 0 (as `run rate` counts it)
     SELECT s.run, s.round, s.split, g.opponent, s.game_id, g.num_turns, s.reward,
            CASE WHEN s.num_players = 1 THEN s.reward > 0 ELSE s.reward = g.best AND g.best > g.worst END::INT AS win,
            CASE WHEN s.num_players = 1 THEN s.reward = 0 ELSE g.best = g.worst END::INT AS draw
-    FROM seats s JOIN games_ g USING (run, round, game_id) WHERE s.is_learner),
+    FROM subject_ s JOIN games_ g USING (run, round, game_id) WHERE s.subject),
 turns_ AS (
     SELECT t.run, t.round, t.split, g.opponent, t.format_ok, t.invalid_move, t.completion_tokens
     FROM turns t JOIN games_ g USING (run, round, game_id) WHERE t.is_learner AND t.prompt IS NOT NULL),
@@ -239,6 +241,8 @@ def curve_charts(curves: list[dict]) -> dict[str, Optional[dict]]:
     # Win rate is shown against each fixed opponent of the eval games (mirror games: 0.5 by construction).
     opponents = list(dict.fromkeys(r["opponent"] for r in curves if r["split"] == "eval" and r["opponent"] not in ("*", "self")))
     vs = {o: [r for r in curves if r["split"] == "eval" and r["opponent"] == o] for o in opponents}
+    # round.eval_baseline: legal-random on the same eval games, the bar a learning claim must clear
+    base = {o: [r for r in curves if r["split"] == "baseline" and r["opponent"] == o] for o in opponents}
 
     def name(opponent: str) -> str:
         return "single-player" if opponent == "solo" else f"vs {opponent}"
@@ -249,8 +253,11 @@ def curve_charts(curves: list[dict]) -> dict[str, Optional[dict]]:
 
     return {
         "Eval win rate against each fixed opponent (draws half), Wilson 95% CI":
-            chart({name(o): pts(rows, "win_rate") for o, rows in vs.items()}, "win rate",
-                  bands={name(o): ci(rows, "win_rate") for o, rows in vs.items()}, y_range=(0, 1)),
+            chart({name(o): pts(rows, "win_rate") for o, rows in vs.items()}
+                  | {f"{LEGAL_RANDOM_UID} {name(o)}": pts(rows, "win_rate") for o, rows in base.items() if rows},
+                  "win rate", bands={name(o): ci(rows, "win_rate") for o, rows in vs.items()}
+                  | {f"{LEGAL_RANDOM_UID} {name(o)}": ci(rows, "win_rate") for o, rows in base.items() if rows},
+                  y_range=(0, 1)),
         "Invalid-move rate of the learner's turns, Wilson 95% CI":
             chart({sp: pts(rows, "invalid_rate") for sp, rows in every.items()}, "invalid-move rate",
                   bands={sp: ci(rows, "invalid_rate") for sp, rows in every.items()}, y_range=(0, 1)),

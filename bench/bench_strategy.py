@@ -1,0 +1,81 @@
+"""Strategy, not only legal moves: every run of a lake against the right baseline, read from the lake.
+
+For each run (its whole validated job, from the lake's `rounds.job`), per round: the eval win rate (draws half)
+against each fixed opponent with its Wilson 95% interval, the same games' `legal-random` baseline
+(round.eval_baseline: the random agent, which plays legal moves, in the learner's seats on the
+same seeds) with its interval, format success and invalid-move rate of the learner's eval turns,
+and whether the learner's interval lies entirely above the baseline's. Nothing is typed by hand:
+run it again on the same lakes and the file is the same.
+
+    python bench/bench_strategy.py --lake lake [--lake other-lake ...] [--runs NAME ...]
+
+Writes bench/results/strategy.json and prints one markdown row per run (its last round).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+
+from common import row, save  # noqa: E402
+
+
+def run_rows(con, run_name: str) -> dict:
+    from unstable_dask.report.report import round_curves
+    rows = round_curves(con, run_name)
+    meta = con.sql("""SELECT min(started_at), max(committed_at), arg_max(job, round) FROM rounds WHERE run = ?""",
+                   params=[run_name]).fetchall()[0]
+    last_ckpt = con.sql("SELECT max(created_at) FROM checkpoints WHERE run = ?", params=[run_name]).fetchall()[0][0]
+    end = max(t for t in (meta[1], last_ckpt) if t is not None)
+    job = json.loads(meta[2])
+    rounds = []
+    for k in sorted({r["round"] for r in rows}):
+        ev = {r["opponent"]: r for r in rows if r["round"] == k and r["split"] == "eval" and r["opponent"] != "*"}
+        base = {r["opponent"]: r for r in rows if r["round"] == k and r["split"] == "baseline" and r["opponent"] != "*"}
+        for opp, e in ev.items():
+            b = base.get(opp)
+            rounds.append({
+                "round": k, "checkpoint": e["checkpoint_uid"], "opponent": opp, "eval_games": e["games"],
+                "win_rate": e["win_rate"], "win_rate_ci": [e["win_rate_low"], e["win_rate_high"]],
+                "legal_random_win_rate": b and b["win_rate"],
+                "legal_random_ci": b and [b["win_rate_low"], b["win_rate_high"]],
+                "above_baseline": bool(b and e["win_rate_low"] > b["win_rate_high"]),
+                "format_success": e["format_success"], "invalid_rate": e["invalid_rate"]})
+    return {"run": run_name, "job": job, "seed": job["run"]["seed"],
+            "algorithm": job["learn"]["algorithm"], "model": job["model"]["base"],
+            "wall_minutes": (end - meta[0]).total_seconds() / 60, "rounds": rounds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lake", action="append", required=True)
+    ap.add_argument("--runs", nargs="*")
+    args = ap.parse_args()
+    from unstable_dask.lake import Lake
+    runs = []
+    for uri in args.lake:
+        con = Lake(uri).connect()
+        try:
+            names = args.runs or [r for (r,) in con.sql("SELECT DISTINCT run FROM rounds ORDER BY run").fetchall()]
+            runs += [dict(run_rows(con, n), lake=uri) for n in names]
+        finally:
+            con.close()
+    save("strategy", {"runs": runs})
+    print(row("run", "seed", "algorithm", "minutes", "round", "eval win rate [95% CI]", "legal-random [95% CI]",
+              "above", "format", "invalid"))
+    for r in runs:
+        for x in r["rounds"][-1:]:
+            lr = x["legal_random_ci"]
+            print(row(r["run"], r["seed"], r["algorithm"], f"{r['wall_minutes']:.0f}", x["round"],
+                      f"{x['win_rate']:.2f} [{x['win_rate_ci'][0]:.2f}, {x['win_rate_ci'][1]:.2f}]",
+                      f"{x['legal_random_win_rate']:.2f} [{lr[0]:.2f}, {lr[1]:.2f}]" if lr else "not played",
+                      "yes" if x["above_baseline"] else "no", f"{x['format_success'] or 0:.2f}",
+                      f"{x['invalid_rate'] or 0:.2f}"))
+
+
+if __name__ == "__main__":
+    main()
