@@ -24,6 +24,14 @@ kl_coef 0.05, 5 of 5 passed but runs peaked at 0.95 and fell back (seed 1: 0.95 
 CI run with seed 0 went 0.97 -> 0.20 and failed. With kl_coef 0.01 (2026-11-23), seeds 0, 1, 2
 rose by +0.88, +0.88, +0.92 and stayed at 0.92-0.98 to round 11. Runs are not bit-reproducible
 (the same seed gave two trajectories), so these are samples, not replays.
+
+The trap again (2026-11-24): once the trainer dropped groups whose advantages are all 0, a run
+that lost its valid moves (seed 0 in CI: 0.33 in round 2, then 0.01-0.04) had nothing left to
+step on, KL term included: updates with 0 rows. With kl_coef > 0 such groups now stay in the batch
+(LearnConfig.silent_rows_have_gradient). Measured with the same job, seeds 0-4 (2026-11-25): gains
++0.62, +0.90, +0.94, +0.64, +0.83 (without the change, seeds 0-5 passed at +0.85..+0.94 and the CI
+run failed at -0.09: the trap is rare but final). The KL pull at saturation costs dips (seed 0's
+round 11: 1.00 -> 0.30; seed 3 recovered from 0.50 to 0.97), which the three-round mean absorbs.
 """
 from __future__ import annotations
 

@@ -148,3 +148,18 @@ def test_groups_without_signal_never_reach_an_optimizer_step(lake_dir, tmp_path)
     from safetensors.torch import load_file
     weights = load_file(str(Lake(silent_job.run.lake).location(result.adapter_path) + "/adapter_model.safetensors"))
     assert all(not torch.any(v) for k, v in weights.items() if "lora_B" in k)  # B = 0: the fresh LoRA, unmoved
+
+
+def test_with_a_kl_penalty_silent_groups_still_pull_towards_the_base(lake_dir, tmp_path, local_client):
+    """The GRPO trap: once every attempt of every group scores alike (say, every move invalid), the
+    advantages are all 0 and only the KL term moves the policy, back towards the base. With kl_coef > 0
+    the trainer keeps such groups (their KL term has a gradient); dropping them left a collapsed
+    policy with no update at all (a CI run: round 3 at 0.01 win rate, then 0 tok/s updates)."""
+    tmp = copy_of(lake_dir, tmp_path)
+    job = make_job(tmp, kl_coef=0.05)
+    learn(job)  # ckpt-1: an adapter that differs from the base (a fresh one equals it: no KL gradient)
+    play_round(job, client=local_client)  # round 1, played by ckpt-1
+    silent = make_job(tmp, kl_coef=0.05, sampling_transforms=["SELECT * REPLACE (0.0 AS reward) FROM batch"])
+    (step,) = learn(silent).steps
+    assert step["zero_std_group_frac"] == 1.0 and step["rows_dropped"] == 0 and step["samples"] > 0
+    assert step["pg_loss"] == 0 and step["kl"] > 0 and step["optimizer_steps"] == 1

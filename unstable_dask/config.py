@@ -125,6 +125,10 @@ class ModelConfig(_Strict):
     max_model_len: int = Field(4096, gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     hf_max_batch: int = Field(64, gt=0)  # hf backend: most prompts in one generate call
+    # hf backend: generate with the active adapter's LoRA deltas added into the weights (the base
+    # weights kept aside and put back bit for bit), not as extra matmuls on every forward; costs one
+    # copy of the adapted layers' weights while an adapter is active.
+    hf_merge_adapter: bool = True
     lora: LoraConfig = LoraConfig()
     vllm: VllmConfig = VllmConfig()
 
@@ -289,6 +293,12 @@ class LearnConfig(_Strict):
     sampling_transforms: list[str] = []
     """Reward transforms over the sampled batch (names, or one SELECT over `batch`); each
     algorithm's class sets its default."""
+
+    def silent_rows_have_gradient(self) -> bool:
+        """Whether a row whose advantage is 0 still gives its loss a gradient (a KL penalty does).
+        The trainer drops groups whose advantages are all 0 only when it does not: such a group's
+        KL term is what pulls a policy that stopped scoring anywhere back towards the base."""
+        return False
 
     @field_validator("quantization")
     @classmethod

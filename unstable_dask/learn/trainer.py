@@ -145,7 +145,8 @@ class Trainer:
         """One update on a batch from the lake query (`seed`: its batch seed); returns the
         learner_steps metrics."""
         t0 = time.perf_counter()
-        table, dropped = drop_silent_groups(table) if self.spec.unit == "group" else (table, {})
+        table, dropped = (drop_silent_groups(table, drop=not self.cfg.silent_rows_have_gradient())
+                          if self.spec.unit == "group" else (table, {}))
         m: dict = dict(dropped, dtype=str(self.dtype).removeprefix("torch."), lr=self.optimizer.param_groups[0]["lr"],
                        samples=table.num_rows, reward_mean=_mean(table, "env_reward"),
                        step_reward_mean=_mean(table, "step_reward"))
@@ -226,15 +227,16 @@ def compute_dtype(name: str, device: torch.device, hidden_size: int) -> torch.dt
     return torch.bfloat16 if native and hidden_size >= CPU_BF16_MIN_HIDDEN else torch.float32
 
 
-def drop_silent_groups(table: pa.Table) -> tuple[pa.Table, dict]:
-    """The batch without the groups ((group_id, pid)) whose every advantage is exactly 0: they carry
-    no signal, and mini-batches full of them would make AdamW step on its momentum alone. Returns
-    the table and learner_steps metrics: the share of such groups and the rows dropped."""
+def drop_silent_groups(table: pa.Table, drop: bool = True) -> tuple[pa.Table, dict]:
+    """The batch without the groups ((group_id, pid)) whose every advantage is exactly 0: when
+    nothing but the advantage weighs a row (`drop`) they carry no signal, and mini-batches full of
+    them would make AdamW step on its momentum alone. Returns the table and learner_steps metrics:
+    the share of such groups and the rows dropped."""
     keys = [f"{g}\x00{p}" for g, p in zip(table.column("group_id").to_pylist(), table.column("pid").to_pylist())]
     signal: dict[str, bool] = {}
     for k, a in zip(keys, table.column("advantage").to_pylist()):
         signal[k] = signal.get(k, False) or (a is not None and a != 0.0)
-    keep = pa.array([signal[k] for k in keys], pa.bool_())
+    keep = pa.array([signal[k] or not drop for k in keys], pa.bool_())
     out = table.filter(keep) if len(keys) else table
     silent = sum(1 for v in signal.values() if not v)
     return out, dict(zero_std_group_frac=silent / len(signal) if signal else None,

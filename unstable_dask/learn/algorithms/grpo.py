@@ -7,8 +7,10 @@ game would cancel the outcome). The batch query samples whole groups, and the de
 transform GroupRelativeAdvantage(scale="group") gives A = (r - mean of the group) / (its
 unbiased std + 1e-8), every attempt weighing the same however many turns it took (rewards.py has
 the exact formula; scale="batch" divides by the batch's std instead, scale="none" is Dr. GRPO).
-A group whose attempts all scored alike has A = 0 on every row: it carries no signal, so the
-trainer drops it before optimizer steps are cut (learner_steps.zero_std_group_frac, rows_dropped).
+A group whose attempts all scored alike has A = 0 on every row: without a KL penalty it carries no
+signal, so the trainer drops it before optimizer steps are cut (learner_steps.zero_std_group_frac,
+rows_dropped). With kl_coef > 0 it is kept: its KL term is the only force on a policy whose groups
+all fail alike (every move invalid), and it pulls that policy back towards the base, which scores.
 
 Default transforms: no final transform (RoleAdvantageByEnvFormatter's EMA baseline is shared by a
 group up to tau-sized drift, which the z-score would blow up into noise) and
@@ -74,6 +76,9 @@ class PPOConfig(LearnConfig):
     Between mini_batch_size and batch_size."""
     final_transforms: list[str] = []
     sampling_transforms: list[str] = ["GroupRelativeAdvantage()"]
+
+    def silent_rows_have_gradient(self) -> bool:
+        return self.kl_coef > 0
 
     @field_validator("ppo_mini_batch_size")
     @classmethod
