@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 
-def random_adapters(base_path: str, tmp_path_factory, n: int = 2) -> list:
+def random_adapters(base_path: str, tmp_path_factory, n: int = 2,
+                    target_modules: tuple = ("q_proj", "v_proj", "down_proj")) -> list:
     """`n` LoRA adapters on `base_path` with random, non-zero B matrices (a fresh B is zero: a no-op)."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -12,7 +13,7 @@ def random_adapters(base_path: str, tmp_path_factory, n: int = 2) -> list:
     out = []
     for i in range(n):
         base = AutoModelForCausalLM.from_pretrained(base_path)
-        model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
+        model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=list(target_modules)))
         gen = torch.Generator().manual_seed(i)
         with torch.no_grad():
             for name, p in model.named_parameters():
