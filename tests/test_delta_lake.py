@@ -224,3 +224,21 @@ def test_loop_compacts_every_k_rounds(tmp_path):
     assert Lake(job.run.lake).sql("SELECT round, count(*) AS n FROM games GROUP BY 1 ORDER BY 1").to_pylist() == [
         {"round": 0, "n": 4}, {"round": 1, "n": 4}]
     assert Lake(job.run.lake).sql("SELECT count(*) AS n FROM turns").to_pylist() == Lake(job.run.lake).sql("SELECT sum(num_turns) AS n FROM games").to_pylist()
+
+
+def test_cleanup_after_a_commit_keeps_a_compaction_committed_meanwhile(tmp_path):
+    """A compaction commits between a round's publish and its cleanup of other attempts' files: the
+    cleanup removes the killed attempt's files and temp files, never the compacted file."""
+    _round(tmp_path, 0, "dead0001")
+    _round(tmp_path, 0, "0123abcd")
+    d = tmp_path / "games/run=r/round=0"
+    (d / ".task-0000.dead0001.89abcdef.tmp").write_bytes(b"half")
+    Lake(tmp_path).commit_round("r", 0, {"attempt": "0123abcd", "checkpoint_uid": "base"})
+    before = checksums(Lake(tmp_path).connect())
+    assert compact(tmp_path, "r")["games"] == (2, 1)
+    removed = Lake(tmp_path).remove_other_attempts("rounds", "r", 0, "0123abcd")
+    assert checksums(Lake(tmp_path).connect()) == before
+    assert len(list(d.glob("part-*.parquet"))) == 1
+    assert sorted(str(Path(p).relative_to(tmp_path)) for p in removed) == [
+        "games/run=r/round=0/.task-0000.dead0001.89abcdef.tmp"] + [
+        f"{t}/run=r/round=0/task-000{i}.dead0001.parquet" for t in ("games", "turns") for i in (0, 1)]

@@ -14,9 +14,10 @@ Functions here take the lake's root location; `Lake` (lake.py) is what jobs call
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import pyarrow as pa
 from deltalake.transaction import CommitProperties, Transaction
@@ -84,6 +85,13 @@ def attempt_of(path: st.Location) -> Optional[str]:
     """The attempt id in a file's name (`task-0003.<attempt>.parquet`), if any."""
     parts = st.name(path).split(".")
     return parts[1] if len(parts) == 3 else None
+
+
+# What a round's or learner's attempt writes into a partition, and nothing else: `<key>.<attempt>.parquet`
+# (attempt: 8 hex digits from uuid4) and the temp files of those writes (storage.write_parquet). A
+# compacted file (`part-00000-<uuid>-c000.zstd.parquet`) or anything else never matches.
+ATTEMPT_FILE = re.compile(r"(?P<key>(task-\d+|steps))\.(?P<attempt>[0-9a-f]{8})\.parquet")
+ATTEMPT_TEMP = re.compile(r"\.(task-\d+|steps)\.[0-9a-f]{8}\.[0-9a-f]{8}\.tmp")
 
 
 def partition_files(root: str, table: str, run_name: str, part: int,
@@ -176,17 +184,27 @@ def last_claimed(marker: str, run_name: str, log: dl.Snapshot) -> Optional[int]:
     return None if part < 0 else part
 
 
-def remove_other_attempts(root: str, marker: str, run_name: str, part: int, attempt: str) -> int:
-    """After a commit: delete files other attempts left behind (no commit names them), and temp
-    files of writers killed mid-write: once the partition is committed none can ever count."""
-    removed = 0
+def remove_other_attempts(root: str, marker: str, run_name: str, part: int, attempt: str,
+                          logged: Callable[[str], set[str]]) -> list[str]:
+    """After a commit: delete the files other attempts of the same partition left behind, and the
+    temp files of their writers killed mid-write: once the partition is committed none can ever
+    count. Only names an attempt writes (ATTEMPT_FILE, ATTEMPT_TEMP) of another attempt, and never
+    a file the post-commit Delta log names (`logged(table)`: paths relative to the table, asked
+    only when there is something to delete): a compaction committing meanwhile writes files of its
+    own that must stay. Returns the removed locations."""
+    removed = []
     for table in data_tables(marker):
+        rel = f"run={run_name}/{PARTITION[table]}={part}/"
+        stale = []
         for p in st.list_dir(partition_dir(root, table, run_name, part)):
-            n = st.name(p)
-            stale_tmp = n.startswith(".") and n.endswith(".tmp")
-            if stale_tmp or (n.endswith(".parquet") and attempt_of(p) != attempt):
+            m = ATTEMPT_FILE.fullmatch(st.name(p))
+            if (m is not None and m["attempt"] != attempt) or ATTEMPT_TEMP.fullmatch(st.name(p)):
+                stale.append(p)
+        keep = logged(table) if stale else set()
+        for p in stale:
+            if rel + st.name(p) not in keep:
                 st.delete(p)
-                removed += 1
+                removed.append(p)
     return removed
 
 

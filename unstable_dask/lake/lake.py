@@ -171,8 +171,11 @@ class Lake:
         commit.retire(self.root, marker, run_name, parts)
         self.refresh().refresh_catalog()
 
-    def remove_other_attempts(self, marker: str, run_name: str, part: int, attempt: str) -> int:
-        return commit.remove_other_attempts(self.root, marker, run_name, part, attempt)
+    def remove_other_attempts(self, marker: str, run_name: str, part: int, attempt: str) -> list[str]:
+        """After committing `attempt`: delete other attempts' files of the partition (commit.remove_other_attempts),
+        never one the log names as read after the commit (this snapshot: `commit` refreshed it)."""
+        return commit.remove_other_attempts(self.root, marker, run_name, part, attempt,
+                                            lambda table: set(self.snapshot.log(table).paths))
 
     def refresh_catalog(self) -> Optional[str]:
         """Rewrite <lake>/lake.duckdb for the duckdb shell (local lakes only: the shell has no s3fs)."""
