@@ -294,3 +294,28 @@ def test_a_compaction_inside_a_rounds_commit_window_keeps_every_row(tmp_path, lo
     assert checksums(Lake(job.run.lake).connect()) == seen["before"]
     _assert_round_whole(job.run.lake, 9)
     assert not list((tmp_path / "lake/games/run=demo/round=0").glob("*.dead0001.parquet"))
+
+
+@pytest.mark.slow
+def test_a_cluster_teardown_that_times_out_after_a_played_round_keeps_the_round(tmp_path, local_client, monkeypatch):
+    """The cluster `round` started fails to shut down (a close timeout, as seen under load) after
+    every game is played: the round is committed all the same, and the driver says so in a warning."""
+    import contextlib
+    import io
+
+    from rich.console import Console
+
+    from unstable_dask.play import round as round_mod
+
+    @contextlib.contextmanager
+    def cluster_whose_close_times_out(cfg):
+        yield local_client  # the real cluster plays; only its shutdown fails
+        raise TimeoutError("LocalCluster.close() timed out after 30 s")
+
+    monkeypatch.setattr(round_mod, "open_client", cluster_whose_close_times_out)
+    out = io.StringIO()
+    s = play_round(_long_job(tmp_path, games=3), console=Console(file=out, width=400))
+    assert (s.round, s.games) == (0, 3)
+    _assert_round_whole(tmp_path / "lake", 3)
+    assert Lake(tmp_path / "lake").rounds("demo") == [0]
+    assert "round 0 of run 'demo' is committed, but shutting its cluster down failed (TimeoutError" in out.getvalue()
