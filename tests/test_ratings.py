@@ -238,3 +238,34 @@ def test_empty_lake_writes_empty_tables(tmp_path: Path) -> None:
     con = Lake(tmp_path / "lake").connect()  # the lake's views read the new tables
     assert con.sql("SELECT count(*) FROM ratings").fetchall() == [(0,)]
     con.close()
+
+
+def test_rate_racing_a_commit_equals_rate_full(tmp_path: Path, monkeypatch) -> None:
+    """Round 3 is committed while `rate` reads the lake (right after it has read the rounds log):
+    rate counts the games of exactly the rounds it records, so the next incremental rate equals
+    `rate --full`, byte for byte (it used to count round 3's games twice, for good)."""
+    from unstable_dask.lake import delta as dl
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        sl.make_run(d, RUN, rounds=4, games_per_round=36, seed=3, commit_last=False)
+    visible = Lake(a).table("games").read().num_rows  # nothing of round 3 yet
+    real, landed = dl.snapshot, []
+
+    def snapshot(lake, table, version=None):
+        out = real(lake, table, version)
+        if table == "rounds" and not landed:  # the commit lands between rate's reads of the logs
+            landed.append(True)
+            sl.commit(a, RUN, 3, [])
+        return out
+
+    monkeypatch.setattr(dl, "snapshot", snapshot)
+    raced = ratings.rate(job_for(a))
+    monkeypatch.undo()
+    assert landed and raced.rounds == [0, 1, 2]
+    assert sum(r["games"] + r["mirror_games"] for r in raced.ratings.to_pylist() if r["env_id"] == "*") > 0
+    assert Lake(a).table("games").read().num_rows > visible  # round 3 is visible now
+    after = ratings.rate(job_for(a))
+    assert after.incremental and after.rounds == [0, 1, 2, 3]
+    sl.commit(b, RUN, 3, [])
+    ratings.rate(job_for(b), full=True)
+    assert file_bytes(a) == file_bytes(b)
