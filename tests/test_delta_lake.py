@@ -242,3 +242,34 @@ def test_cleanup_after_a_commit_keeps_a_compaction_committed_meanwhile(tmp_path)
     assert sorted(str(Path(p).relative_to(tmp_path)) for p in removed) == [
         "games/run=r/round=0/.task-0000.dead0001.89abcdef.tmp"] + [
         f"{t}/run=r/round=0/task-000{i}.dead0001.parquet" for t in ("games", "turns") for i in (0, 1)]
+
+
+def _two_rounds(lake):
+    for rnd in (0, 1):
+        _round(lake, rnd, f"a000000{rnd}")
+        Lake(lake).commit_round("r", rnd, {"attempt": f"a000000{rnd}", "checkpoint_uid": "base"})
+
+
+def test_a_data_table_that_lost_its_newest_log_entry_is_an_error_naming_it(tmp_path, capsys):
+    """`games` loses its newest Delta log entry (the apply of round 1): `sql` over games fails with
+    one line naming the table and the round, instead of answering with round 0's rows only."""
+    from unstable_dask.cli import main
+    _two_rounds(tmp_path)
+    entries = sorted((tmp_path / "games/_delta_log").glob("*.json"))
+    entries[-1].unlink()
+    assert main(["sql", "SELECT count(*) FROM games", "--lake", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "table 'games' holds 0 rows of round 1 of run 'r'" in err and "made 2 visible" in err
+    assert len(err.strip().splitlines()) == 1
+    with pytest.raises(JobError, match="'games'"):  # every reader, not only the CLI
+        Lake(tmp_path).table("games").rows()
+
+
+@pytest.mark.parametrize("table", ["games", "rounds"])
+def test_a_lost_delta_log_is_an_error_naming_the_table(tmp_path, table):
+    """A table's whole `_delta_log` is gone: every read names the table; none shows an empty lake."""
+    import shutil
+    _two_rounds(tmp_path)
+    shutil.rmtree(tmp_path / table / "_delta_log")
+    with pytest.raises(JobError, match=f"table '{table}' has no Delta log"):
+        Lake(tmp_path).sql("SELECT count(*) FROM turns")

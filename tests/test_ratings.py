@@ -269,3 +269,56 @@ def test_rate_racing_a_commit_equals_rate_full(tmp_path: Path, monkeypatch) -> N
     sl.commit(b, RUN, 3, [])
     ratings.rate(job_for(b), full=True)
     assert file_bytes(a) == file_bytes(b)
+
+
+def test_rate_over_a_lost_games_log_fails_and_keeps_the_ratings(tmp_path: Path) -> None:
+    """`games/_delta_log` is gone: rate fails naming the table; the ratings it wrote before stay
+    (it used to write empty ratings and exit 0)."""
+    import shutil
+    lake_dir = tmp_path / "lake"
+    sl.make_run(lake_dir, RUN, rounds=2, games_per_round=12, seed=5)
+    ratings.rate(job_for(lake_dir))
+    before = file_bytes(lake_dir)
+    shutil.rmtree(lake_dir / "games/_delta_log")
+    with pytest.raises(JobError, match="table 'games' has no Delta log"):
+        ratings.rate(job_for(lake_dir))
+    assert file_bytes(lake_dir) == before
+
+
+def _flip(path: Path, at: float, n: int = 4) -> None:
+    data = bytearray(path.read_bytes())
+    i = int(len(data) * at)
+    data[i:i + n] = bytes(b ^ 0xFF for b in data[i:i + n])
+    path.write_bytes(bytes(data))
+
+
+def _rewrite_first_mu(path: Path) -> None:
+    """The same file, well formed, metadata kept, one value changed: damage no decoder notices."""
+    import pyarrow as pa
+    t = pq.read_table(path)
+    mu = t.column("mu").to_pylist()
+    mu[0] = (mu[0] or 0.0) + 7.0
+    pq.write_table(t.set_column(t.column_names.index("mu"), "mu", pa.array(mu, pa.float64())), path)
+
+
+@pytest.mark.parametrize("damage", ["flip-state", "flip-history", "value-state", "value-history"])
+def test_a_damaged_replay_state_is_replayed_not_trusted(tmp_path: Path, damage: str, caplog) -> None:
+    """The saved ratings_state (or the rating_history it continues) is damaged between two rate
+    jobs (4 flipped bytes, or a value changed in a well-formed file): the next rate equals a full
+    replay on an intact copy of the lake, byte for byte, and says it replayed."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        sl.make_run(d, RUN, rounds=4, games_per_round=36, seed=3, commit_last=False)
+        ratings.rate(job_for(d))
+        sl.commit(d, RUN, 3, [])
+    table, key = ("ratings_state", "state") if damage.endswith("state") else ("rating_history", "rating_history")
+    victim = Path(Lake(a).partition_dir(table, RUN)) / f"{key}.parquet"
+    if damage.startswith("flip"):
+        _flip(victim, 0.3)
+    else:
+        _rewrite_first_mu(victim)
+    with caplog.at_level("WARNING", logger="unstable_dask.rate"):
+        res = ratings.rate(job_for(a))
+    assert not res.incremental and "cannot be trusted" in caplog.text
+    ratings.rate(job_for(b), full=True)
+    assert file_bytes(a) == file_bytes(b)

@@ -24,7 +24,7 @@ from deltalake.transaction import CommitProperties, Transaction
 
 from unstable_dask.lake import delta as dl
 from unstable_dask.lake import storage as st
-from unstable_dask.lake.catalog import PARTITION, SCHEMAS, TABLES, data_tables
+from unstable_dask.lake.catalog import PARTITION, SCHEMAS, TABLES, counts, data_tables
 
 log = logging.getLogger("unstable_dask.lake")
 
@@ -119,8 +119,11 @@ def commit_marker(root: str, marker: str, run_name: str, part: int, key: str, ro
     FileExistsError when the partition is already claimed (by another driver, or an earlier run)."""
     attempt = row.get("attempt")
     files = {t: partition_files(root, t, run_name, part, attempt) for t in data_tables(marker)}
-    row = dict(row, files=[f"{t}/{rel}" for t, rels in files.items() for rel in rels])
-    path = write_file(root, marker, run_name, part, f"{key}.{attempt or uuid.uuid4().hex[:8]}", as_table(marker, [row]))
+    # The count columns say how many rows the commit makes visible: every reader checks them.
+    row = dict(row, files=[f"{t}/{rel}" for t, rels in files.items() for rel in rels],
+               **{col: sum(f.metadata.num_rows for f in files[t].values()) for t, col in counts(marker).items()})
+    data = as_table(marker, [row]).replace_schema_metadata({dl.COUNTED: "true"})
+    path = write_file(root, marker, run_name, part, f"{key}.{attempt or uuid.uuid4().hex[:8]}", data)
     try:
         claim_and_publish(root, marker, run_name, part, path, files)
     except FileExistsError:
