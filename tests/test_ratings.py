@@ -230,14 +230,14 @@ def test_lineage_loop_is_a_job_error(tmp_path: Path) -> None:
         ratings.rate(job_for(lake_dir))
 
 
-def test_empty_lake_writes_empty_tables(tmp_path: Path) -> None:
-    res = ratings.rate(job_for(tmp_path / "lake"))
-    assert res.ratings.num_rows == 0 and res.rounds == []
-    for p in res.paths:
-        assert pq.read_table(p).num_rows == 0
-    con = Lake(tmp_path / "lake").connect()  # the lake's views read the new tables
-    assert con.sql("SELECT count(*) FROM ratings").fetchall() == [(0,)]
-    con.close()
+def test_a_run_without_rounds_is_an_error_not_empty_ratings(tmp_path: Path) -> None:
+    """A run with no committed round (a typo in run.name, or an empty lake): one line naming the
+    run and the runs there; nothing written (it used to write empty ratings and exit 0)."""
+    lake_dir = tmp_path / "lake"
+    sl.write_round(lake_dir, "other", 0, [sl.game(0, 0, "E", [sl.seat(0, "a", 1.0), sl.seat(1, "b", 0.0)])])
+    with pytest.raises(JobError, match=r"run 'syn' has no committed round .* \(runs there: 'other'\)"):
+        ratings.rate(job_for(lake_dir))
+    assert not (lake_dir / "ratings").exists()
 
 
 def test_rate_racing_a_commit_equals_rate_full(tmp_path: Path, monkeypatch) -> None:

@@ -51,6 +51,10 @@ class Lake:
     def remote(self) -> bool:
         return st.is_remote(self.uri)
 
+    def exists(self) -> bool:
+        """Whether there is a lake here (a folder, or objects under the prefix)."""
+        return st.is_dir(self.root)
+
     def location(self, rel: str) -> str:
         """A location inside the lake from a path relative to its root (as rows store them)."""
         return st.join(self.root, *rel.split("/"))

@@ -217,6 +217,8 @@ def check_select_only(con: duckdb.DuckDBPyConnection, sql: str, what: str = "SQL
         statements = con.extract_statements(sql)
     except duckdb.Error as e:
         raise JobError(f"{what}: does not parse ({str(e).splitlines()[0]})") from None
+    if not statements:
+        raise JobError(f"{what}: no statement to run (the query is empty)")
     for stmt in statements:
         if stmt.type != duckdb.StatementType.SELECT:
             raise JobError(f"{what}: only SELECT queries may run against the lake, got a {stmt.type.name} statement")

@@ -361,6 +361,10 @@ def rate(job: Job, full: bool = False) -> RatingsResult:
     t0 = time.perf_counter()
     cfg, run_name, lake = job.ratings, job.run.name, Lake(job.run.lake)
     committed = lake.rounds(run_name)  # one snapshot for the rounds and every game read below
+    if not committed:  # a typo in run.name, not a run to write empty ratings for
+        runs = ", ".join(repr(r) for r in sorted(set(lake.snapshot.log("rounds").runs))) or "none"
+        raise JobError(f"{job.source}: run {run_name!r} has no committed round in lake {lake.uri!r} (runs there: "
+                       f"{runs}); nothing to rate")
     con = lake.connect()
     try:
         parent_of = _lineage(con, run_name)
