@@ -273,3 +273,60 @@ def test_a_lost_delta_log_is_an_error_naming_the_table(tmp_path, table):
     shutil.rmtree(tmp_path / table / "_delta_log")
     with pytest.raises(JobError, match=f"table '{table}' has no Delta log"):
         Lake(tmp_path).sql("SELECT count(*) FROM turns")
+
+
+def test_vacuum_removes_leftovers_of_killed_jobs_and_nothing_a_commit_names(tmp_path, capsys):
+    """What killed or losing jobs leave behind, each named as its writer names it: a learner's temp
+    adapter folder, the adapter of a learner attempt that lost its iteration, the adapter of a
+    checkpoint retired by rollback, a killed compaction's part, a losing driver's late task file, a
+    killed writer's temp file. `run vacuum` removes them once older than the retention, and reports
+    them; committed files and adapters, a round being played and a learner still training stay."""
+    import os
+    import time
+
+    import pyarrow as pa
+
+    from unstable_dask.cli import main
+    lake = Lake(tmp_path)
+    _two_rounds(tmp_path)
+    adapters = {}
+    for k, attempt in ((1, "a0000001"), (2, "a0000002")):
+        rel = Lake.adapter_rel("r", f"ckpt-{k}", attempt)
+        (tmp_path / rel).mkdir(parents=True)
+        (tmp_path / rel / "adapter_model.safetensors").write_bytes(b"w")
+        lake.write("learner_steps", "r", k, f"steps.{attempt}", [{"update": 0}])
+        lake.commit("checkpoints", "r", k, "checkpoint", {"attempt": attempt, "uid": f"ckpt-{k}", "adapter_path": rel})
+        adapters[k] = rel
+    lake.retire("checkpoints", "r", [2])  # run rollback --to ckpt-1
+    leftovers = {
+        "adapters/r/.ckpt-3.b0000003.c0000003.tmp/adapter_model.safetensors",  # learner killed while saving
+        f"{Lake.adapter_rel('r', 'ckpt-1', 'dead0001')}/adapter_model.safetensors",  # lost iteration 1's commit
+        "games/run=r/round=0/part-00000-1b7a4f9e-0000-4000-8000-000000000000-c000.zstd.parquet",  # killed compact
+        "turns/run=r/round=1/task-0000.10537001.parquet",  # a losing driver's task, written after the commit
+        "games/run=r/round=1/.task-0001.10537001.5eed0001.tmp",  # its writer killed mid-write
+    }
+    for rel in leftovers:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"game_id": ["x"]}), tmp_path / rel)
+    kept = {"adapters/r/ckpt-9.e0000009/adapter_model.safetensors",  # a learner still training iteration 9? keep
+            "games/run=r/round=2/task-0000.f0000002.parquet"}  # round 2 being played
+    for rel in kept:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"game_id": ["x"]}), tmp_path / rel)
+    before = checksums(Lake(tmp_path).connect())
+    assert main(["vacuum", "--lake", str(tmp_path), "--retention-hours", "1"]) == 0
+    assert "0 file(s) and 0 adapter folder(s)" in capsys.readouterr().out  # all younger than an hour
+    old = time.time() - 2 * 3600
+    for dirpath, _, names in os.walk(tmp_path):
+        for n in names:
+            os.utime(os.path.join(dirpath, n), (old, old))
+    assert main(["vacuum", "--lake", str(tmp_path), "--retention-hours", "1"]) == 0
+    out = capsys.readouterr().out
+    files = {p for p in leftovers if not p.startswith("adapters/")}
+    folders = {p.rsplit("/", 1)[0] + "/" for p in leftovers if p.startswith("adapters/")} | {adapters[2] + "/"}
+    assert f"{len(files)} file(s) and {len(folders)} adapter folder(s)" in out
+    for p in files | folders:
+        assert f"  {p}" in out and not (tmp_path / p).exists(), p
+    for p in kept | {adapters[1] + "/adapter_model.safetensors"}:
+        assert (tmp_path / p).exists(), p
+    assert checksums(Lake(tmp_path).connect()) == before  # every committed row reads the same

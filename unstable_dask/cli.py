@@ -209,8 +209,11 @@ def cmd_vacuum(args) -> None:
         raise JobError(f"--retention-hours: expected a finite number >= 0, got {args.retention_hours}")
     lake = _lake_of(args)
     removed = vacuum(lake, args.retention_hours)
-    console.print(f"vacuum: {len(removed)} file(s) replaced more than {args.retention_hours:g} h ago removed "
-                  f"from {root(lake)}")
+    adapters = [p for p in removed if p.startswith("adapters/")]
+    console.print(f"vacuum: {len(removed) - len(adapters)} file(s) and {len(adapters)} adapter folder(s) older than "
+                  f"{args.retention_hours:g} h that no commit names removed from {root(lake)}", soft_wrap=True)
+    for p in removed if len(removed) <= 50 else removed[:50] + [f"... {len(removed) - 50} more"]:
+        console.print(f"  {p}", highlight=False, soft_wrap=True)
 
 
 def cmd_migrate(args) -> None:
@@ -284,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = lake_cmd("compact", "merge the small files of a run (or every run): one file per round and table")
     sp.add_argument("--run", help="only this run (default: every run)")
     sp.add_argument("--target-mb", type=int, default=128, help="largest file compaction writes")
-    sp = lake_cmd("vacuum", "delete the files compaction replaced, once older than the retention")
+    sp = lake_cmd("vacuum", "delete what no snapshot needs once older than the retention: files compaction or a "
+                  "rollback replaced, leftovers of killed jobs, adapter folders no checkpoint names")
     from unstable_dask.lake.maintain import DEFAULT_RETENTION_HOURS
     sp.add_argument("--retention-hours", type=float, default=DEFAULT_RETENTION_HOURS,
                     help="keep replaced files this long (learn --at-version reads older snapshots from them)")

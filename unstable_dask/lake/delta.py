@@ -221,11 +221,16 @@ def compact(lake: Lake, table: str, run_name: Optional[str] = None, target_mb: i
     return {"table": table, "added": metrics.get("numFilesAdded", 0), "removed": metrics.get("numFilesRemoved", 0)}
 
 
-def vacuum(lake: Lake, table: str, retention_hours: float) -> list[str]:
-    """Delete files the log removed (compaction) more than `retention_hours` ago. Files never
-    named by a commit (a round still being played) are left alone: `full=False`."""
+def vacuum(lake: Lake, table: str, retention_hours: float) -> tuple[list[str], set[str]]:
+    """Delete files the log removed (compaction, rollback) more than `retention_hours` ago. Files
+    never named by a commit (a round still being played) are left alone: `full=False`. Returns the
+    deleted paths and every path the log still names (its files and its younger removals), all
+    relative to the table."""
     dt = load(lake, table)
     if dt is None:
-        return []
+        return [], set()
     # delta-rs takes whole hours: round up, so no file younger than asked is ever deleted
-    return dt.vacuum(retention_hours=math.ceil(retention_hours), dry_run=False, enforce_retention_duration=False)
+    removed = dt.vacuum(retention_hours=math.ceil(retention_hours), dry_run=False, enforce_retention_duration=False)
+    kept = dt.vacuum(retention_hours=0, dry_run=True, enforce_retention_duration=False)  # removals still on disk
+    adds = pa.table(dt.get_add_actions(flatten=True))
+    return removed, set(kept) | set(adds.column("path").to_pylist() if adds.num_rows else [])

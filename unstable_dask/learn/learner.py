@@ -416,7 +416,8 @@ def rollback(job: Job, to: str) -> Rollback:
     """Retire every checkpoint of the run newer than `to` (a checkpoint uid, or "base") and every round
     those checkpoints played, so the run goes on from `to`: the next learn trains `to` again on the
     rounds it played and the next round plays it. Numbers are not reused (ckpt-k and round r of the
-    retired ones stay claimed in the log); their adapter folders stay until `run vacuum`."""
+    retired ones stay claimed in the log); `run vacuum` removes their adapter folders once older than its
+    retention."""
     lake, run_name = Lake(job.run.lake), job.run.name
     ckpts = lake.table("checkpoints").rows(run_name, order_by="iteration")
     by_uid = {BASE_UID: 0} | {c["uid"]: c["iteration"] for c in ckpts}
