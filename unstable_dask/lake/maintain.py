@@ -24,6 +24,9 @@ from unstable_dask.lake.catalog import DELTA_TABLES, PARTITION, TABLES, VIEWS, w
 from unstable_dask.lake.lake import Lake
 
 DEFAULT_RETENTION_HOURS = 168.0  # a week: long enough for any learner batch still being reproduced
+# Leftovers are taken only when at least this old, whatever the retention: a live job's file (a
+# compaction's part before its commit, a learner's temp adapter) is never older than that.
+LEFTOVER_MIN_AGE_HOURS = 1.0
 
 
 def compact(lake: Union[str, Path, Lake], run_name: Optional[str] = None,
@@ -50,12 +53,14 @@ def vacuum(lake: Union[str, Path, Lake], retention_hours: float = DEFAULT_RETENT
       `run rollback`, temp folders (`.ckpt-<k>.*.tmp`) of learners killed while saving. Only of
       iterations already decided (claimed), so a learner still training keeps its folder.
 
+    Leftovers go only once older than LEFTOVER_MIN_AGE_HOURS too, even with a shorter retention.
+
     Nothing a current commit names is ever touched, nor a partition not yet committed (a round
     being played: the next driver of that round cleans it up)."""
     if not retention_hours >= 0:
         raise ValueError(f"vacuum: retention_hours must be >= 0, got {retention_hours}")
     lake = Lake(lake)
-    cutoff_ms = (time.time() - retention_hours * 3600) * 1000
+    cutoff_ms = (time.time() - max(retention_hours, LEFTOVER_MIN_AGE_HOURS) * 3600) * 1000
     removed = []
     for table in DELTA_TABLES:
         gone, named = dl.vacuum(lake.root, table, retention_hours)
