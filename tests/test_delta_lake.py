@@ -330,3 +330,17 @@ def test_vacuum_removes_leftovers_of_killed_jobs_and_nothing_a_commit_names(tmp_
     for p in kept | {adapters[1] + "/adapter_model.safetensors"}:
         assert (tmp_path / p).exists(), p
     assert checksums(Lake(tmp_path).connect()) == before  # every committed row reads the same
+
+
+def test_rolled_back_to_base_the_next_iteration_is_after_every_claimed_one(tmp_path):
+    """Every checkpoint retired (`rollback --to base`): the claimed iterations still count, so the
+    next learner takes iteration 3, not iteration 1 again (whose claim a retired commit holds)."""
+    lake = Lake(tmp_path)
+    for k in (1, 2):
+        lake.write("learner_steps", "r", k, f"steps.a000000{k}", [{"update": 0}])
+        lake.commit("checkpoints", "r", k, "checkpoint", {"attempt": f"a000000{k}", "uid": f"ckpt-{k}"})
+    lake.retire("checkpoints", "r", [1, 2])
+    assert Lake(tmp_path).table("checkpoints").rows("r") == []
+    assert Lake(tmp_path).last_claimed("checkpoints", "r") == 2
+    assert Lake(tmp_path).finish_commits("checkpoints", "r") == []
+    assert Lake(tmp_path / "fresh").last_claimed("checkpoints", "r") is None

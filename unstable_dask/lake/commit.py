@@ -150,8 +150,16 @@ def publish(root: str, marker: str, app: str, marker_rel: str, files: dict[str, 
     dl.commit(root, marker, [marker_rel])  # adding a path the log has already is a no-op
 
 
+def _first(marker: str) -> int:
+    """The number of a run's first partition: rounds count from 0, learner iterations from 1."""
+    return 1 if PARTITION[marker] == "iteration" else 0
+
+
 def _last_published(log: dl.Snapshot, run_name: str) -> int:
-    return max((p for r, p in zip(log.runs, log.parts) if r == run_name and p is not None), default=-1)
+    """The run's newest published partition, else the number before its first: the claims after
+    it are contiguous (a rollback retires published partitions, never their claims)."""
+    return max((p for r, p in zip(log.runs, log.parts) if r == run_name and p is not None),
+               default=_first(log.table) - 1)
 
 
 def finish_commits(root: str, marker: str, run_name: str, log: dl.Snapshot) -> list[int]:
@@ -184,7 +192,7 @@ def last_claimed(marker: str, run_name: str, log: dl.Snapshot) -> Optional[int]:
     part = _last_published(log, run_name)
     while log.claimed(dl.app_id(run_name, PARTITION[marker], part + 1)):
         part += 1
-    return None if part < 0 else part
+    return None if part < _first(marker) else part
 
 
 def remove_other_attempts(root: str, marker: str, run_name: str, part: int, attempt: str,
