@@ -91,3 +91,32 @@ def test_pip_install_ships_the_job_files(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for job in (root / "jobs").glob("*.toml"):
         assert f"unstable_dask/jobs/{job.name}" in names
+
+
+@pytest.mark.parametrize("key", ["run.lake", "run.reports"])
+def test_an_empty_lake_or_reports_location_is_refused(tmp_path, capsys, monkeypatch, imported, key):
+    """run.lake = "" used to write every table into the current folder."""
+    monkeypatch.chdir(tmp_path)
+    assert run.main(["round", "--set", f'{key}=""']) == 2
+    assert f"key '{key}' has value '': an empty location would write into the current folder" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_offline_model_in_the_local_cache_is_accepted(tmp_path, monkeypatch):
+    """The offline check refuses only what the Hugging Face cache does not hold."""
+    from huggingface_hub import constants
+
+    from unstable_dask.errors import JobError
+    from unstable_dask.inference.weights import resolve_model
+    snap = tmp_path / "models--some-org--some-model" / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (tmp_path / "models--some-org--some-model" / "refs").mkdir()
+    (tmp_path / "models--some-org--some-model" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model("some-org/some-model") == "some-org/some-model"
+    with pytest.raises(JobError, match="not in the local cache"):
+        resolve_model("some-org/other-model")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # online: the hub answers when the model loads
+    assert resolve_model("some-org/other-model") == "some-org/other-model"

@@ -224,3 +224,123 @@ def test_loop_compacts_every_k_rounds(tmp_path):
     assert Lake(job.run.lake).sql("SELECT round, count(*) AS n FROM games GROUP BY 1 ORDER BY 1").to_pylist() == [
         {"round": 0, "n": 4}, {"round": 1, "n": 4}]
     assert Lake(job.run.lake).sql("SELECT count(*) AS n FROM turns").to_pylist() == Lake(job.run.lake).sql("SELECT sum(num_turns) AS n FROM games").to_pylist()
+
+
+def test_cleanup_after_a_commit_keeps_a_compaction_committed_meanwhile(tmp_path):
+    """A compaction commits between a round's publish and its cleanup of other attempts' files: the
+    cleanup removes the killed attempt's files and temp files, never the compacted file."""
+    _round(tmp_path, 0, "dead0001")
+    _round(tmp_path, 0, "0123abcd")
+    d = tmp_path / "games/run=r/round=0"
+    (d / ".task-0000.dead0001.89abcdef.tmp").write_bytes(b"half")
+    Lake(tmp_path).commit_round("r", 0, {"attempt": "0123abcd", "checkpoint_uid": "base"})
+    before = checksums(Lake(tmp_path).connect())
+    assert compact(tmp_path, "r")["games"] == (2, 1)
+    removed = Lake(tmp_path).remove_other_attempts("rounds", "r", 0, "0123abcd")
+    assert checksums(Lake(tmp_path).connect()) == before
+    assert len(list(d.glob("part-*.parquet"))) == 1
+    assert sorted(str(Path(p).relative_to(tmp_path)) for p in removed) == [
+        "games/run=r/round=0/.task-0000.dead0001.89abcdef.tmp"] + [
+        f"{t}/run=r/round=0/task-000{i}.dead0001.parquet" for t in ("games", "turns") for i in (0, 1)]
+
+
+def _two_rounds(lake):
+    for rnd in (0, 1):
+        _round(lake, rnd, f"a000000{rnd}")
+        Lake(lake).commit_round("r", rnd, {"attempt": f"a000000{rnd}", "checkpoint_uid": "base"})
+
+
+def test_a_data_table_that_lost_its_newest_log_entry_is_an_error_naming_it(tmp_path, capsys):
+    """`games` loses its newest Delta log entry (the apply of round 1): `sql` over games fails with
+    one line naming the table and the round, instead of answering with round 0's rows only."""
+    from unstable_dask.cli import main
+    _two_rounds(tmp_path)
+    entries = sorted((tmp_path / "games/_delta_log").glob("*.json"))
+    entries[-1].unlink()
+    assert main(["sql", "SELECT count(*) FROM games", "--lake", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "table 'games' holds 0 rows of round 1 of run 'r'" in err and "made 2 visible" in err
+    assert len(err.strip().splitlines()) == 1
+    with pytest.raises(JobError, match="'games'"):  # every reader, not only the CLI
+        Lake(tmp_path).table("games").rows()
+
+
+@pytest.mark.parametrize("table", ["games", "rounds"])
+def test_a_lost_delta_log_is_an_error_naming_the_table(tmp_path, table):
+    """A table's whole `_delta_log` is gone: every read names the table; none shows an empty lake."""
+    import shutil
+    _two_rounds(tmp_path)
+    shutil.rmtree(tmp_path / table / "_delta_log")
+    with pytest.raises(JobError, match=f"table '{table}' has no Delta log"):
+        Lake(tmp_path).sql("SELECT count(*) FROM turns")
+
+
+def test_vacuum_removes_leftovers_of_killed_jobs_and_nothing_a_commit_names(tmp_path, capsys):
+    """What killed or losing jobs leave behind, each named as its writer names it: a learner's temp
+    adapter folder, the adapter of a learner attempt that lost its iteration, the adapter of a
+    checkpoint retired by rollback, a killed compaction's part, a losing driver's late task file, a
+    killed writer's temp file. `run vacuum` removes them once older than the retention, and reports
+    them; committed files and adapters, a round being played and a learner still training stay."""
+    import os
+    import time
+
+    import pyarrow as pa
+
+    from unstable_dask.cli import main
+    lake = Lake(tmp_path)
+    _two_rounds(tmp_path)
+    adapters = {}
+    for k, attempt in ((1, "a0000001"), (2, "a0000002")):
+        rel = Lake.adapter_rel("r", f"ckpt-{k}", attempt)
+        (tmp_path / rel).mkdir(parents=True)
+        (tmp_path / rel / "adapter_model.safetensors").write_bytes(b"w")
+        lake.write("learner_steps", "r", k, f"steps.{attempt}", [{"update": 0}])
+        lake.commit("checkpoints", "r", k, "checkpoint", {"attempt": attempt, "uid": f"ckpt-{k}", "adapter_path": rel})
+        adapters[k] = rel
+    lake.retire("checkpoints", "r", [2])  # run rollback --to ckpt-1
+    leftovers = {
+        "adapters/r/.ckpt-3.b0000003.c0000003.tmp/adapter_model.safetensors",  # learner killed while saving
+        f"{Lake.adapter_rel('r', 'ckpt-1', 'dead0001')}/adapter_model.safetensors",  # lost iteration 1's commit
+        "games/run=r/round=0/part-00000-1b7a4f9e-0000-4000-8000-000000000000-c000.zstd.parquet",  # killed compact
+        "turns/run=r/round=1/task-0000.10537001.parquet",  # a losing driver's task, written after the commit
+        "games/run=r/round=1/.task-0001.10537001.5eed0001.tmp",  # its writer killed mid-write
+    }
+    for rel in leftovers:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"game_id": ["x"]}), tmp_path / rel)
+    kept = {"adapters/r/ckpt-9.e0000009/adapter_model.safetensors",  # a learner still training iteration 9? keep
+            "games/run=r/round=2/task-0000.f0000002.parquet"}  # round 2 being played
+    for rel in kept:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"game_id": ["x"]}), tmp_path / rel)
+    before = checksums(Lake(tmp_path).connect())
+    assert main(["vacuum", "--lake", str(tmp_path), "--retention-hours", "1"]) == 0
+    assert "0 file(s) and 0 adapter folder(s)" in capsys.readouterr().out  # all younger than an hour
+    old = time.time() - 2 * 3600
+    for dirpath, _, names in os.walk(tmp_path):
+        for n in names:
+            os.utime(os.path.join(dirpath, n), (old, old))
+    assert main(["vacuum", "--lake", str(tmp_path), "--retention-hours", "1"]) == 0
+    out = capsys.readouterr().out
+    files = {p for p in leftovers if not p.startswith("adapters/")}
+    folders = {p.rsplit("/", 1)[0] + "/" for p in leftovers if p.startswith("adapters/")} | {adapters[2] + "/"}
+    assert f"{len(files)} file(s) and {len(folders)} adapter folder(s)" in out
+    for p in files | folders:
+        assert f"  {p}" in out and not (tmp_path / p).exists(), p
+    for p in kept | {adapters[1] + "/adapter_model.safetensors"}:
+        assert (tmp_path / p).exists(), p
+    assert checksums(Lake(tmp_path).connect()) == before  # every committed row reads the same
+
+
+def test_rolled_back_to_base_the_next_iteration_is_after_every_claimed_one(tmp_path):
+    """Every checkpoint retired (`rollback --to base`): the claimed iterations still count, so the
+    next learner takes iteration 3, not iteration 1 again (whose claim a retired commit holds)."""
+    lake = Lake(tmp_path)
+    for k in (1, 2):
+        lake.write("learner_steps", "r", k, f"steps.a000000{k}", [{"update": 0}])
+        lake.commit("checkpoints", "r", k, "checkpoint", {"attempt": f"a000000{k}", "uid": f"ckpt-{k}"})
+    lake.retire("checkpoints", "r", [1, 2])
+    assert Lake(tmp_path).table("checkpoints").rows("r") == []
+    assert Lake(tmp_path).last_claimed("checkpoints", "r") == 2
+    assert Lake(tmp_path).finish_commits("checkpoints", "r") == []
+    assert Lake(tmp_path / "fresh").last_claimed("checkpoints", "r") is None

@@ -263,3 +263,59 @@ def test_driver_killed_mid_learn_and_mid_report_then_rerun(tmp_path):
         assert text.rstrip().endswith("</html>")  # never half a page
     assert _run(["report", *base], tmp_path).wait(timeout=600) == 0
     assert index.read_text().rstrip().endswith("</html>") and len(whole) > 1000
+
+
+@pytest.mark.slow
+def test_a_compaction_inside_a_rounds_commit_window_keeps_every_row(tmp_path, local_client, monkeypatch):
+    """`compact` commits between the round's publish and its cleanup of other attempts' files (the
+    hook runs it at that exact point): the compacted files stay, a killed attempt's files go, and
+    every committed row reads back."""
+    import dataclasses
+
+    from unstable_dask.lake.maintain import checksums, compact
+    from unstable_dask.play.opponents import list_checkpoints
+    from unstable_dask.play.schedule import schedule_round
+    from unstable_dask.play.task import play_task
+    job = _long_job(tmp_path, games=9)
+    lake = Lake(job.run.lake)
+    cks = list_checkpoints(lake, "demo")
+    dead = dataclasses.replace(schedule_round(job, lake, 0, cks[-1], cks)[0], attempt="dead0001")
+    play_task(dead, job.model, job.round, lake)  # a driver attempt killed before its commit
+    real, seen = Lake.remove_other_attempts, {}
+
+    def compact_then_clean(self, marker, run_name, part, attempt):
+        seen["before"] = checksums(Lake(self.uri).connect())
+        seen["compacted"] = compact(self.uri, run_name)
+        return real(self, marker, run_name, part, attempt)
+
+    monkeypatch.setattr(Lake, "remove_other_attempts", compact_then_clean)
+    play_round(job, client=local_client)
+    assert seen["compacted"]["games"] == (3, 1) and seen["compacted"]["turns"] == (3, 1)
+    assert checksums(Lake(job.run.lake).connect()) == seen["before"]
+    _assert_round_whole(job.run.lake, 9)
+    assert not list((tmp_path / "lake/games/run=demo/round=0").glob("*.dead0001.parquet"))
+
+
+@pytest.mark.slow
+def test_a_cluster_teardown_that_times_out_after_a_played_round_keeps_the_round(tmp_path, local_client, monkeypatch):
+    """The cluster `round` started fails to shut down (a close timeout, as seen under load) after
+    every game is played: the round is committed all the same, and the driver says so in a warning."""
+    import contextlib
+    import io
+
+    from rich.console import Console
+
+    from unstable_dask.play import round as round_mod
+
+    @contextlib.contextmanager
+    def cluster_whose_close_times_out(cfg):
+        yield local_client  # the real cluster plays; only its shutdown fails
+        raise TimeoutError("LocalCluster.close() timed out after 30 s")
+
+    monkeypatch.setattr(round_mod, "open_client", cluster_whose_close_times_out)
+    out = io.StringIO()
+    s = play_round(_long_job(tmp_path, games=3), console=Console(file=out, width=400))
+    assert (s.round, s.games) == (0, 3)
+    _assert_round_whole(tmp_path / "lake", 3)
+    assert Lake(tmp_path / "lake").rounds("demo") == [0]
+    assert "round 0 of run 'demo' is committed, but shutting its cluster down failed (TimeoutError" in out.getvalue()

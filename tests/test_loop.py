@@ -108,3 +108,35 @@ def test_rollback_retires_checkpoints_and_their_rounds_and_the_loop_goes_on(tmp_
     assert lineage == {"ckpt-1": ("base", [0]), "ckpt-4": ("ckpt-1", [1]), "ckpt-5": ("ckpt-4", [3]),
                        "ckpt-6": ("ckpt-5", [4])}
     assert rate(job).games_rated > 0  # the ratings replay the rounds that stay
+
+
+def test_a_nan_transform_stops_the_loop_in_one_line_and_rollback_lets_it_go_on(tmp_path, cache, capsys):
+    """A step transform that divides by zero from round 1 on: `loop` trains ckpt-1, then stops
+    with exit code 2 and one line naming the transform, committing no ckpt-2. `rollback --to base`
+    retires ckpt-1 and the round it played, and the loop, with the transform fixed, goes on (it
+    used to retrain iteration 1, which rollback had retired, and stop: no checkpoint was left to
+    count claimed iterations from)."""
+    import json
+
+    from unstable_dask.cli import main
+    lake = tmp_path / "lake"
+    sets = [x for key, value in {"run.lake": f'"{lake}"', "run.reports": f'"{tmp_path / "reports"}"', **SETS}.items()
+            for x in ("--set", f"{key}={str(value).lower() if isinstance(value, bool) else value}")]
+    nan = ("SELECT * REPLACE (CASE WHEN round >= 1 THEN reward / (completion_tokens - completion_tokens) "
+           "ELSE reward END AS reward) FROM steps")
+    assert main(["loop", "--rounds", "3", *sets, "--set", f"learn.step_transforms={json.dumps([nan])}"]) == 2
+    err = capsys.readouterr().err.strip()  # the loop's progress, then the error
+    last = err.splitlines()[-1]
+    assert "Traceback" not in err and [ln for ln in err.splitlines() if ln.startswith("error:")] == [last]
+    assert "learn.step_transforms[0]" in last and "nothing was trained or committed" in last
+    db = Lake(lake)
+    assert db.rounds("demo") == [0, 1] and [c["uid"] for c in db.table("checkpoints").rows("demo")] == ["ckpt-1"]
+    assert not list((lake / "adapters/demo").glob("ckpt-2.*"))
+    assert main(["rollback", "--to", "base", *sets]) == 0
+    assert "retired ckpt-1 and the round(s) they played [1]" in " ".join(capsys.readouterr().out.split())
+    assert main(["loop", "--rounds", "4", *sets]) == 0  # up to round 3
+    db = Lake(lake)
+    assert db.rounds("demo") == [0, 2, 3]  # round 1 retired; numbers are not reused
+    lineage = {c["uid"]: (c["parent_uid"], c["rounds_trained"]) for c in db.table("checkpoints").rows("demo")}
+    assert lineage == {"ckpt-2": ("base", [0]), "ckpt-3": ("ckpt-2", [2]), "ckpt-4": ("ckpt-3", [3])}
+    assert db.sql("SELECT count(*) AS n FROM learner_steps WHERE NOT isfinite(loss)").to_pylist() == [{"n": 0}]

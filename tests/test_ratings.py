@@ -230,11 +230,95 @@ def test_lineage_loop_is_a_job_error(tmp_path: Path) -> None:
         ratings.rate(job_for(lake_dir))
 
 
-def test_empty_lake_writes_empty_tables(tmp_path: Path) -> None:
-    res = ratings.rate(job_for(tmp_path / "lake"))
-    assert res.ratings.num_rows == 0 and res.rounds == []
-    for p in res.paths:
-        assert pq.read_table(p).num_rows == 0
-    con = Lake(tmp_path / "lake").connect()  # the lake's views read the new tables
-    assert con.sql("SELECT count(*) FROM ratings").fetchall() == [(0,)]
-    con.close()
+def test_a_run_without_rounds_is_an_error_not_empty_ratings(tmp_path: Path) -> None:
+    """A run with no committed round (a typo in run.name, or an empty lake): one line naming the
+    run and the runs there; nothing written (it used to write empty ratings and exit 0)."""
+    lake_dir = tmp_path / "lake"
+    sl.write_round(lake_dir, "other", 0, [sl.game(0, 0, "E", [sl.seat(0, "a", 1.0), sl.seat(1, "b", 0.0)])])
+    with pytest.raises(JobError, match=r"run 'syn' has no committed round .* \(runs there: 'other'\)"):
+        ratings.rate(job_for(lake_dir))
+    assert not (lake_dir / "ratings").exists()
+
+
+def test_rate_racing_a_commit_equals_rate_full(tmp_path: Path, monkeypatch) -> None:
+    """Round 3 is committed while `rate` reads the lake (right after it has read the rounds log):
+    rate counts the games of exactly the rounds it records, so the next incremental rate equals
+    `rate --full`, byte for byte (it used to count round 3's games twice, for good)."""
+    from unstable_dask.lake import delta as dl
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        sl.make_run(d, RUN, rounds=4, games_per_round=36, seed=3, commit_last=False)
+    visible = Lake(a).table("games").read().num_rows  # nothing of round 3 yet
+    real, landed = dl.snapshot, []
+
+    def snapshot(lake, table, version=None):
+        out = real(lake, table, version)
+        if table == "rounds" and not landed:  # the commit lands between rate's reads of the logs
+            landed.append(True)
+            sl.commit(a, RUN, 3, [])
+        return out
+
+    monkeypatch.setattr(dl, "snapshot", snapshot)
+    raced = ratings.rate(job_for(a))
+    monkeypatch.undo()
+    assert landed and raced.rounds == [0, 1, 2]
+    assert sum(r["games"] + r["mirror_games"] for r in raced.ratings.to_pylist() if r["env_id"] == "*") > 0
+    assert Lake(a).table("games").read().num_rows > visible  # round 3 is visible now
+    after = ratings.rate(job_for(a))
+    assert after.incremental and after.rounds == [0, 1, 2, 3]
+    sl.commit(b, RUN, 3, [])
+    ratings.rate(job_for(b), full=True)
+    assert file_bytes(a) == file_bytes(b)
+
+
+def test_rate_over_a_lost_games_log_fails_and_keeps_the_ratings(tmp_path: Path) -> None:
+    """`games/_delta_log` is gone: rate fails naming the table; the ratings it wrote before stay
+    (it used to write empty ratings and exit 0)."""
+    import shutil
+    lake_dir = tmp_path / "lake"
+    sl.make_run(lake_dir, RUN, rounds=2, games_per_round=12, seed=5)
+    ratings.rate(job_for(lake_dir))
+    before = file_bytes(lake_dir)
+    shutil.rmtree(lake_dir / "games/_delta_log")
+    with pytest.raises(JobError, match="table 'games' has no Delta log"):
+        ratings.rate(job_for(lake_dir))
+    assert file_bytes(lake_dir) == before
+
+
+def _flip(path: Path, at: float, n: int = 4) -> None:
+    data = bytearray(path.read_bytes())
+    i = int(len(data) * at)
+    data[i:i + n] = bytes(b ^ 0xFF for b in data[i:i + n])
+    path.write_bytes(bytes(data))
+
+
+def _rewrite_first_mu(path: Path) -> None:
+    """The same file, well formed, metadata kept, one value changed: damage no decoder notices."""
+    import pyarrow as pa
+    t = pq.read_table(path)
+    mu = t.column("mu").to_pylist()
+    mu[0] = (mu[0] or 0.0) + 7.0
+    pq.write_table(t.set_column(t.column_names.index("mu"), "mu", pa.array(mu, pa.float64())), path)
+
+
+@pytest.mark.parametrize("damage", ["flip-state", "flip-history", "value-state", "value-history"])
+def test_a_damaged_replay_state_is_replayed_not_trusted(tmp_path: Path, damage: str, caplog) -> None:
+    """The saved ratings_state (or the rating_history it continues) is damaged between two rate
+    jobs (4 flipped bytes, or a value changed in a well-formed file): the next rate equals a full
+    replay on an intact copy of the lake, byte for byte, and says it replayed."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        sl.make_run(d, RUN, rounds=4, games_per_round=36, seed=3, commit_last=False)
+        ratings.rate(job_for(d))
+        sl.commit(d, RUN, 3, [])
+    table, key = ("ratings_state", "state") if damage.endswith("state") else ("rating_history", "rating_history")
+    victim = Path(Lake(a).partition_dir(table, RUN)) / f"{key}.parquet"
+    if damage.startswith("flip"):
+        _flip(victim, 0.3)
+    else:
+        _rewrite_first_mu(victim)
+    with caplog.at_level("WARNING", logger="unstable_dask.rate"):
+        res = ratings.rate(job_for(a))
+    assert not res.incremental and "cannot be trusted" in caplog.text
+    ratings.rate(job_for(b), full=True)
+    assert file_bytes(a) == file_bytes(b)

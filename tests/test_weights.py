@@ -73,8 +73,9 @@ def test_losing_the_rename_race_uses_the_winner(cache):
     assert sorted(p.name for p in target.parent.iterdir()) == [".race.lock", "race"]
 
 
-def test_resolve_model_paths_and_ids(tmp_path):
-    assert resolve_model("Qwen/Qwen3-1.7B") == "Qwen/Qwen3-1.7B"  # HF id passes through
+def test_resolve_model_paths_and_ids(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert resolve_model("Qwen/Qwen3-1.7B") == "Qwen/Qwen3-1.7B"  # HF id passes through (offline: if cached)
     assert resolve_model(str(tmp_path)) == str(tmp_path)
     for bad in [str(tmp_path / "missing"), "./nope/model", "not-a-model"]:
         with pytest.raises(JobError, match="model.base") as e:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
+import re
 import sys
 from typing import Any, Optional
 
@@ -27,6 +29,7 @@ from unstable_dask.lake.storage import is_remote, root
 
 console = Console()
 err = Console(stderr=True)
+MAX_TARGET_MB = 2**20  # compact --target-mb: a file of a terabyte is already past any use
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
@@ -94,6 +97,10 @@ def cmd_sql(args) -> None:
     table = Lake(_lake_of(args)).sql(args.query)
     if args.format == "csv":
         import pyarrow.csv as pacsv
+        nested = [f.name for f in table.schema if pa_nested(f.type)]
+        if nested:
+            raise JobError(f"--format csv: column(s) {', '.join(nested)} hold lists or structs, which CSV cannot "
+                           "write; use --format json, or select scalar columns (e.g. unnest(...), to_json(...))")
         pacsv.write_csv(table, sys.stdout.buffer)
     elif args.format == "json":
         print(json.dumps(table.to_pylist(), default=str, ensure_ascii=False))
@@ -103,8 +110,13 @@ def cmd_sql(args) -> None:
             console.print(f"... {table.num_rows - args.limit} more rows (--limit, or --format csv for all)")
 
 
+def pa_nested(t: Any) -> bool:
+    import pyarrow as pa
+    return pa.types.is_nested(t) or pa.types.is_dictionary(t)
+
+
 def cmd_learn(args) -> None:
-    job = _job(args)
+    job = _job_on_lake(args)
     from unstable_dask.learn.learner import learn
     out = learn(job, show_sql=args.show_sql, preview=args.preview, at_version=args.at_version, update=args.update)
     if isinstance(out, str):  # --show-sql / --preview
@@ -119,11 +131,11 @@ def cmd_learn(args) -> None:
 
 def cmd_rollback(args) -> None:
     from unstable_dask.learn.learner import rollback
-    console.print(str(rollback(_job(args), args.to)), highlight=False)
+    console.print(str(rollback(_job_on_lake(args), args.to)), highlight=False)
 
 
 def cmd_rate(args) -> None:
-    job = _job(args)
+    job = _job_on_lake(args)
     from unstable_dask.rate.ratings import rate
     console.print(str(rate(job, full=args.full)), highlight=False)
     _print_table(Lake(job.run.lake).sql("""SELECT model_uid, round(mu, 2) AS mu, round(sigma, 2) AS sigma,
@@ -138,7 +150,7 @@ def cmd_report(args) -> None:
     if args.show_sql:  # the learning curves' query, to run with `run sql` (add WHERE run = '...')
         print(CURVES_SQL.strip())
         return
-    job = _job(args)
+    job = _job_on_lake(args)
     path = report(job)
     console.print(f"report: {path}")
 
@@ -148,6 +160,7 @@ def cmd_track(args) -> None:
     if not job.run.trackers:
         raise JobError(f"{job.source}: key 'run.trackers' is empty: name the trackers to mirror the lake to, "
                        "e.g. --set 'run.trackers=[\"wandb\"]'")
+    _existing(job.run.lake, f"{job.source}: run.lake")
     from unstable_dask.report.trackers import sync
     for name, n in sync(job).items():
         console.print(f"{name}: {n} new rows logged from {root(job.run.lake)} (run {job.run.name})")
@@ -159,11 +172,30 @@ def cmd_loop(args) -> None:
 
 
 def _lake_of(args) -> str:
-    return args.lake or (load_job(args.job).run.lake if args.job else "lake")
+    """The lake a lake command works on (--lake, the job's, or ./lake); it must exist."""
+    lake = args.lake or (load_job(args.job).run.lake if args.job else "lake")
+    return _existing(lake, "--lake" if args.lake else "run.lake" if args.job else "the default lake")
+
+
+def _existing(lake: str, what: str) -> str:
+    """Only `round`, `eval` and `loop` create a lake: any other command on a lake that is not
+    there is a typo, never an empty answer or a new folder."""
+    if not Lake(lake).exists():
+        raise JobError(f"{what} {lake!r}: there is no lake at {root(lake)} (a typo? `run round` creates one)")
+    return lake
+
+
+def _job_on_lake(args) -> Job:
+    """The job of a command that reads its lake (learn, rate, report, track, rollback)."""
+    job = _job(args)
+    _existing(job.run.lake, f"{job.source}: run.lake")
+    return job
 
 
 def cmd_compact(args) -> None:
     from unstable_dask.lake.maintain import compact
+    if not 1 <= args.target_mb <= MAX_TARGET_MB:
+        raise JobError(f"--target-mb: expected a whole number of MB from 1 to {MAX_TARGET_MB}, got {args.target_mb}")
     lake = _lake_of(args)
     out = compact(lake, run_name=args.run, target_mb=args.target_mb)
     _print_table([{"table": t, "files removed": r, "files added": a} for t, (r, a) in out.items()],
@@ -173,12 +205,15 @@ def cmd_compact(args) -> None:
 
 def cmd_vacuum(args) -> None:
     from unstable_dask.lake.maintain import vacuum
+    if not (math.isfinite(args.retention_hours) and args.retention_hours >= 0):
+        raise JobError(f"--retention-hours: expected a finite number >= 0, got {args.retention_hours}")
     lake = _lake_of(args)
-    if args.retention_hours < 0:
-        raise JobError(f"--retention-hours: expected a number >= 0, got {args.retention_hours}")
     removed = vacuum(lake, args.retention_hours)
-    console.print(f"vacuum: {len(removed)} file(s) replaced more than {args.retention_hours:g} h ago removed "
-                  f"from {root(lake)}")
+    adapters = [p for p in removed if p.startswith("adapters/")]
+    console.print(f"vacuum: {len(removed) - len(adapters)} file(s) and {len(adapters)} adapter folder(s) older than "
+                  f"{args.retention_hours:g} h that no commit names removed from {root(lake)}", soft_wrap=True)
+    for p in removed if len(removed) <= 50 else removed[:50] + [f"... {len(removed) - 50} more"]:
+        console.print(f"  {p}", highlight=False, soft_wrap=True)
 
 
 def cmd_migrate(args) -> None:
@@ -252,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = lake_cmd("compact", "merge the small files of a run (or every run): one file per round and table")
     sp.add_argument("--run", help="only this run (default: every run)")
     sp.add_argument("--target-mb", type=int, default=128, help="largest file compaction writes")
-    sp = lake_cmd("vacuum", "delete the files compaction replaced, once older than the retention")
+    sp = lake_cmd("vacuum", "delete what no snapshot needs once older than the retention: files compaction or a "
+                  "rollback replaced, leftovers of killed jobs, adapter folders no checkpoint names")
     from unstable_dask.lake.maintain import DEFAULT_RETENTION_HOURS
     sp.add_argument("--retention-hours", type=float, default=DEFAULT_RETENTION_HOURS,
                     help="keep replaced files this long (learn --at-version reads older snapshots from them)")
@@ -266,11 +302,39 @@ COMMANDS = {"round": cmd_round, "eval": lambda a: cmd_round(a, eval_only=True), 
             "cluster": cmd_cluster, "compact": cmd_compact, "vacuum": cmd_vacuum, "migrate": cmd_migrate}
 
 
+def storage_errors() -> tuple[type[BaseException], ...]:
+    """What storage and the Delta log raise when the lake cannot be read or written: unreachable
+    object store, full disk, read-only or forbidden folder, damaged log."""
+    import duckdb
+    from deltalake.exceptions import DeltaError
+    out: list[type[BaseException]] = [OSError, DeltaError, duckdb.IOException, duckdb.HTTPException]
+    try:
+        from botocore.exceptions import BotoCoreError  # s3fs, where DuckDB reads an object store
+        out.append(BotoCoreError)
+    except ImportError:
+        pass
+    return tuple(out)
+
+
+def storage_message(e: BaseException) -> str:
+    """One line for a storage error: what failed (the first line, naming the path) and why (the
+    innermost cause of a chained native message)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    lines = [ln.strip(" ↳\t") for ln in text.splitlines() if ln.strip(" ↳\t")]
+    what = lines[0] if lines else type(e).__name__
+    why = lines[-1] if len(lines) > 1 else ""
+    return (f"storage error ({type(e).__name__}): {what}{' ... ' + why if why else ''}; check that the lake's location "
+            "is reachable, writable and has free space (nothing half-written is visible; run the command again)")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     logging.getLogger("distributed").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
-        COMMANDS[args.command](args)
+        try:
+            COMMANDS[args.command](args)
+        except storage_errors() as e:
+            raise JobError(storage_message(e)) from None
     except JobError as e:
         err.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
         return 2

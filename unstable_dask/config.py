@@ -19,6 +19,18 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInf
 # load instead of a scheduler that never ends or a number the lake cannot store.
 MAX_INT = 2**53  # every integer setting, anywhere in a job (exact as JSON and float64, fits int64)
 MAX_GAMES_PER_ROUND = 1_000_000  # round.train_games + round.eval_games (scheduling takes ~0.1 ms a game)
+MAX_MODEL_LEN = 2**20  # model.max_model_len: past the longest context of any model served today
+# Prompt tokens model.max_model_len must leave beside max_new_tokens: the templates' own text is
+# ~40-60 tokens, a game's observation tens to hundreds more; less cuts every prompt to noise.
+MIN_PROMPT_TOKENS = 128
+# Below it (and above 0, greedy) sampling is greedy in all but name: vLLM samples greedily under
+# 1e-5 while the learner would divide the logits by T, and logits / 1e-300 overflow to inf.
+MIN_TEMPERATURE = 0.01
+MAX_UPDATES = 1_000  # learn.updates_per_round: sampled batches per learner iteration (runs use 1-8)
+MAX_EPOCHS = 100  # passes over one batch (ppo_epochs)
+MAX_BOOTSTRAP = 10_000  # Bradley-Terry resamples: 200 give a 95% interval; 10,000 already take minutes
+MAX_RATING_SCALE = 1e6  # |ratings.mu|, sigma, beta, tau: squares stay far inside float64 (tau=1e300 overflows)
+MAX_WORKERS = 1_024  # cluster.n_workers: worker processes started on one machine
 
 
 def _insane(v: Any) -> Optional[str]:
@@ -77,6 +89,14 @@ class RunConfig(_Strict):
     # Experiment trackers the lake is mirrored to (trackers.py) after each commit and by `run track`.
     trackers: list[Literal["wandb", "mlflow"]] = []
 
+    @field_validator("lake", "reports")
+    @classmethod
+    def _not_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("an empty location would write into the current folder; name a folder "
+                             "(e.g. \"lake\", \"reports\") or, for the lake, an s3:// URI")
+        return v
+
     @field_validator("lake")
     @classmethod
     def _storage(cls, v: str) -> str:
@@ -119,10 +139,10 @@ class ModelConfig(_Strict):
     base: str = "builtin:tiny"  # HF id, local path, builtin:tiny, builtin:smollm2-135m-instruct
     backend: Literal["hf", "vllm"] = "hf"
     template: str = "qwen3-zs"  # a prompt template of play/prompts.py (checked by jobfile.py)
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0)  # 0: greedy; else at least MIN_TEMPERATURE
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_new_tokens: int = Field(64, gt=0)
-    max_model_len: int = Field(4096, gt=0)
+    max_new_tokens: int = Field(64, gt=0)  # at most max_model_len - MIN_PROMPT_TOKENS
+    max_model_len: int = Field(4096, gt=0, le=MAX_MODEL_LEN)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     hf_max_batch: int = Field(64, gt=0)  # hf backend: most prompts in one generate call
     # hf backend: generate with the active adapter's LoRA deltas added into the weights (the base
@@ -132,13 +152,29 @@ class ModelConfig(_Strict):
     lora: LoraConfig = LoraConfig()
     vllm: VllmConfig = VllmConfig()
 
+    @field_validator("temperature")
+    @classmethod
+    def _not_tiny(cls, v: float) -> float:
+        if 0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"expected 0 (greedy) or at least {MIN_TEMPERATURE} (config.MIN_TEMPERATURE): below it "
+                             "sampling is greedy in all but name, and the learner's logits / T overflow")
+        return v
+
+    @model_validator(mode="after")
+    def _room_for_a_prompt(self) -> "ModelConfig":
+        if self.max_model_len - self.max_new_tokens < MIN_PROMPT_TOKENS:
+            raise ValueError(f"max_model_len ({self.max_model_len}) must leave at least {MIN_PROMPT_TOKENS} prompt "
+                             f"tokens (config.MIN_PROMPT_TOKENS) beside max_new_tokens ({self.max_new_tokens}); "
+                             "otherwise every prompt is cut to its last few tokens")
+        return self
+
 
 ClusterKind = Literal["local", "local-gpu", "slurm", "pbs", "lsf", "sge", "address"]
 
 
 class ClusterConfig(_Strict):
     kind: ClusterKind = "local"
-    n_workers: int = Field(2, gt=0)  # local: worker processes; local-gpu: capped at visible GPUs
+    n_workers: int = Field(2, gt=0, le=MAX_WORKERS)  # local: worker processes; local-gpu: capped at visible GPUs
     threads_per_worker: int = Field(1, gt=0)
     memory_limit: str = "auto"  # per worker; "0" disables the nanny's memory kill (vLLM workers)
     address: str = ""  # kind = "address": an existing scheduler, e.g. tcp://10.0.0.5:8786
@@ -176,6 +212,14 @@ class EnvSpec(_Strict):
     # Eval envs: opponents for the non-actor seats (e.g. ["random"], ["base"], a checkpoint uid).
     opponents: Optional[list[str]] = None
 
+    @field_validator("opponents")
+    @classmethod
+    def _someone(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+        if v is not None and not v:
+            raise ValueError("an empty list names no opponent; name at least one (e.g. [\"random\"]), or leave "
+                             "the key out to use round.opponents.fixed")
+        return v
+
     @model_validator(mode="after")
     def _actors(self) -> "EnvSpec":
         if self.num_actors is None:
@@ -191,7 +235,7 @@ class OpponentConfig(_Strict):
     # TrueSkill match quality; win-rate: one past checkpoint until the learner wins more than
     # `win_rate_threshold` of its last `win_rate_games` train games against it (UnstableBaselines).
     strategy: OpponentStrategy = "mirror"
-    fixed: list[str] = ["random"]
+    fixed: list[str] = Field(["random"], min_length=1)
     lag: int = Field(5, gt=0)
     win_rate_threshold: float = Field(0.7, ge=0.0, le=1.0)
     win_rate_games: int = Field(100, gt=0)
@@ -259,7 +303,7 @@ class LearnConfig(_Strict):
     """Truncate prompt + completion to this many tokens (prompt first, from the left); None: no cut."""
     window: Union[Literal["latest", "all"], int] = "latest"
     """Rounds a batch is sampled from: the newest (on-policy), all, or the last k."""
-    updates_per_round: int = Field(1, gt=0)
+    updates_per_round: int = Field(1, gt=0, le=MAX_UPDATES)
     """Sampled batches (updates) per learner iteration, each with its own seed."""
     gradient_checkpointing: bool = True
     """Recompute activations in the backward pass: less memory, ~30% more compute."""
@@ -323,13 +367,13 @@ class LearnConfig(_Strict):
 
 
 class RatingsConfig(_Strict):
-    mu: float = 25.0
-    sigma: float = Field(25.0 / 3.0, gt=0.0)
-    beta: float = Field(4.0, gt=0.0)
-    tau: float = Field(25.0 / 300.0, ge=0.0)
+    mu: float = Field(25.0, ge=-MAX_RATING_SCALE, le=MAX_RATING_SCALE)
+    sigma: float = Field(25.0 / 3.0, gt=0.0, le=MAX_RATING_SCALE)
+    beta: float = Field(4.0, gt=0.0, le=MAX_RATING_SCALE)
+    tau: float = Field(25.0 / 300.0, ge=0.0, le=MAX_RATING_SCALE)
     draw_probability: float = Field(0.10, ge=0.0, lt=1.0)
     inherit_sigma_factor: float = Field(2.0, ge=1.0)  # new checkpoint: parent's mu, sigma*factor (capped)
-    bootstrap: int = Field(200, ge=0)  # Bradley-Terry bootstrap resamples for the 95% CI
+    bootstrap: int = Field(200, ge=0, le=MAX_BOOTSTRAP)  # Bradley-Terry bootstrap resamples for the 95% CI
     include_eval: bool = True  # eval games against fixed opponents update ratings too
 
 

@@ -118,6 +118,10 @@ def _check_algorithm(job: Job) -> None:
         raise JobError(f"{job.source}: key 'model.lora.dropout' has value {job.model.lora.dropout}: "
                        f"{learn.algorithm}'s ratio pi/pi_old is 1 before the first step only without dropout in the "
                        "learner's forward passes; set it to 0")
+    if learn.max_train_len is not None and learn.max_train_len <= job.model.max_new_tokens:
+        raise JobError(f"{job.source}: key 'learn.max_train_len' has value {learn.max_train_len}: it must hold a whole "
+                       f"completion (model.max_new_tokens = {job.model.max_new_tokens}) and a prompt token, or the "
+                       "learner trains on cut completions (at 1: on nothing)")
     if isinstance(learn.window, int) and learn.window - 1 > learn.max_staleness:
         raise JobError(f"{job.source}: key 'learn.window' has value {learn.window}: its oldest round can be "
                        f"{learn.window - 1} learner iterations old, more than learn.max_staleness = "

@@ -106,8 +106,19 @@ def adapter_digest(path: str) -> str:
 
 
 def check_adapter(adapter: Adapter) -> None:
-    if not (Path(adapter.path) / "adapter_config.json").is_file():
-        raise FileNotFoundError(f"adapter {adapter.name!r}: no adapter_config.json in {adapter.path}")
+    """An adapter folder an engine or the learner can load, or one line naming it: its config
+    parses and its weights file is whole (the safetensors header and the sizes it declares; the
+    weights themselves are checked against the commit's sha256 where one is recorded)."""
+    from safetensors import safe_open
+    path = Path(adapter.path)
+    try:
+        json.loads((path / "adapter_config.json").read_text())
+        with safe_open(str(path / "adapter_model.safetensors"), "np"):
+            pass
+    except Exception as e:  # noqa: BLE001 - a missing, torn or garbled file alike: the folder is damaged
+        why = (str(e).splitlines() or [""])[0][:200]
+        raise JobError(f"adapter {adapter.name!r} at {adapter.path} is damaged or incomplete ({type(e).__name__}: "
+                       f"{why}); restore the folder, or `run rollback --to` an intact checkpoint") from None
 
 
 # ---------------------------------------------------------------- the per-process cache

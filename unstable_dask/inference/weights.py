@@ -78,9 +78,27 @@ def resolve_model(base: str) -> str:
         return str(path)
     explicit_path = base.startswith(("/", "./", "../", "~", "."))
     if _HF_ID.match(base) and not explicit_path:
+        if _offline() and not _cached(base):
+            raise JobError(f"model.base has value {base!r}: HF_HUB_OFFLINE is set and this Hugging Face model is not "
+                           "in the local cache; download it first (huggingface-cli download), or give a local path")
         return base
     raise JobError(f"model.base has value {base!r}: no such local path, and not a Hugging Face id "
                    "(org/name) or builtin:tiny / builtin:smollm2-135m-instruct")
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _cached(repo_id: str) -> bool:
+    """Whether a snapshot of the model is in the local Hugging Face cache."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        snapshot_download(repo_id, local_files_only=True)
+        return True
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return False
 
 
 # ---------------------------------------------------------------- atomic cached build

@@ -84,7 +84,9 @@ TURNS = pa.schema([
 ROUNDS = pa.schema([
     _f("attempt", pa.string(), "the driver attempt whose files are the round's data"),
     _f("checkpoint_uid", pa.string(), "the checkpoint this round played"),
-    _f("games", pa.int64()), _f("turns", pa.int64()), _f("tasks", pa.int64()), _f("completion_tokens", pa.int64()),
+    _f("games", pa.int64(), "rows of `games` this commit made visible (counted by the commit; every reader checks them)"),
+    _f("turns", pa.int64(), "rows of `turns` this commit made visible (likewise)"),
+    _f("tasks", pa.int64()), _f("completion_tokens", pa.int64()),
     _f("temperature", pa.float64(), "sampling settings the games were played with (null: not recorded)"),
     _f("top_p", pa.float64()),
     _f("max_new_tokens", pa.int64()),
@@ -106,6 +108,8 @@ CHECKPOINTS = pa.schema([
     _f("algorithm", pa.string()),
     _f("created_at", pa.timestamp("us", tz="UTC")),
     _f("files", pa.list_(pa.string()), "the data files this commit makes visible, relative to the lake"),
+    _f("steps", pa.int64(), "rows of `learner_steps` this commit made visible, one per update (counted by the "
+       "commit; every reader checks them)"),
 ])
 
 LEARNER_STEPS = pa.schema([
@@ -194,6 +198,9 @@ class Table:
     keys: tuple[str, ...]  # columns a file must have, with these types, to belong to the table
     rule: str  # "data" | "marker" | "replace" (see the module doc)
     marker: Optional[str] = None  # for data tables: the marker table that commits them
+    # for data tables: the marker's column holding how many of its rows a commit made visible
+    # (the commit counts them; readers compare the Delta log's row counts with it)
+    counted_by: Optional[str] = None
     view: bool = True  # a DuckDB view of this name exists
     doc: str = ""
 
@@ -203,13 +210,15 @@ class Table:
 
 
 TABLES: dict[str, Table] = {t.name: t for t in [
-    Table("games", GAMES, "round", ("game_id", "seats"), "data", "rounds", doc="one row per game"),
-    Table("turns", TURNS, "round", ("game_id", "turn", "pid"), "data", "rounds", doc="one row per move"),
+    Table("games", GAMES, "round", ("game_id", "seats"), "data", "rounds", doc="one row per game",
+          counted_by="games"),
+    Table("turns", TURNS, "round", ("game_id", "turn", "pid"), "data", "rounds", doc="one row per move",
+          counted_by="turns"),
     Table("rounds", ROUNDS, "round", ("checkpoint_uid",), "marker", doc="one row per committed round: its commit"),
     Table("checkpoints", CHECKPOINTS, "iteration", ("uid",), "marker",
           doc="one row per learner iteration: the learner's commit"),
     Table("learner_steps", LEARNER_STEPS, "iteration", ("update",), "data", "checkpoints",
-          doc="one row per update (one sampled batch)"),
+          doc="one row per update (one sampled batch)", counted_by="steps"),
     Table("ratings", RATINGS, None, ("model_uid",), "replace", doc="per model and env, recomputed by `run rate`"),
     Table("rating_history", RATING_HISTORY, None, ("round",), "replace", doc="the ratings after every committed round"),
     Table("head_to_head", HEAD_TO_HEAD, None, ("model_a",), "replace", doc="pairwise results (both directions)"),
@@ -223,6 +232,11 @@ VIEWS = tuple(n for n, t in TABLES.items() if t.view)
 SCHEMAS: dict[str, pa.Schema] = {n: t.schema for n, t in TABLES.items()}
 PARTITION: dict[str, str] = {n: t.partition for n, t in TABLES.items() if t.partition}
 HIVE_TYPES = {"run": pa.string(), "round": pa.int64(), "iteration": pa.int64()}
+
+
+def counts(marker: str) -> dict[str, str]:
+    """{data table: the marker column counting its rows} of a marker table."""
+    return {n: t.counted_by for n, t in TABLES.items() if t.marker == marker and t.counted_by}
 
 
 def data_tables(marker: str) -> list[str]:

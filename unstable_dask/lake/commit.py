@@ -14,16 +14,17 @@ Functions here take the lake's root location; `Lake` (lake.py) is what jobs call
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import pyarrow as pa
 from deltalake.transaction import CommitProperties, Transaction
 
 from unstable_dask.lake import delta as dl
 from unstable_dask.lake import storage as st
-from unstable_dask.lake.catalog import PARTITION, SCHEMAS, TABLES, data_tables
+from unstable_dask.lake.catalog import PARTITION, SCHEMAS, TABLES, counts, data_tables
 
 log = logging.getLogger("unstable_dask.lake")
 
@@ -86,6 +87,13 @@ def attempt_of(path: st.Location) -> Optional[str]:
     return parts[1] if len(parts) == 3 else None
 
 
+# What a round's or learner's attempt writes into a partition, and nothing else: `<key>.<attempt>.parquet`
+# (attempt: 8 hex digits from uuid4) and the temp files of those writes (storage.write_parquet). A
+# compacted file (`part-00000-<uuid>-c000.zstd.parquet`) or anything else never matches.
+ATTEMPT_FILE = re.compile(r"(?P<key>(task-\d+|steps))\.(?P<attempt>[0-9a-f]{8})\.parquet")
+ATTEMPT_TEMP = re.compile(r"\.(task-\d+|steps)\.[0-9a-f]{8}\.[0-9a-f]{8}\.tmp")
+
+
 def partition_files(root: str, table: str, run_name: str, part: int,
                     attempt: Optional[str]) -> dict[str, dl.FileFacts]:
     """The files of one partition that a commit names, relative to the table folder, with what the
@@ -111,8 +119,11 @@ def commit_marker(root: str, marker: str, run_name: str, part: int, key: str, ro
     FileExistsError when the partition is already claimed (by another driver, or an earlier run)."""
     attempt = row.get("attempt")
     files = {t: partition_files(root, t, run_name, part, attempt) for t in data_tables(marker)}
-    row = dict(row, files=[f"{t}/{rel}" for t, rels in files.items() for rel in rels])
-    path = write_file(root, marker, run_name, part, f"{key}.{attempt or uuid.uuid4().hex[:8]}", as_table(marker, [row]))
+    # The count columns say how many rows the commit makes visible: every reader checks them.
+    row = dict(row, files=[f"{t}/{rel}" for t, rels in files.items() for rel in rels],
+               **{col: sum(f.metadata.num_rows for f in files[t].values()) for t, col in counts(marker).items()})
+    data = as_table(marker, [row]).replace_schema_metadata({dl.COUNTED: "true"})
+    path = write_file(root, marker, run_name, part, f"{key}.{attempt or uuid.uuid4().hex[:8]}", data)
     try:
         claim_and_publish(root, marker, run_name, part, path, files)
     except FileExistsError:
@@ -139,8 +150,16 @@ def publish(root: str, marker: str, app: str, marker_rel: str, files: dict[str, 
     dl.commit(root, marker, [marker_rel])  # adding a path the log has already is a no-op
 
 
+def _first(marker: str) -> int:
+    """The number of a run's first partition: rounds count from 0, learner iterations from 1."""
+    return 1 if PARTITION[marker] == "iteration" else 0
+
+
 def _last_published(log: dl.Snapshot, run_name: str) -> int:
-    return max((p for r, p in zip(log.runs, log.parts) if r == run_name and p is not None), default=-1)
+    """The run's newest published partition, else the number before its first: the claims after
+    it are contiguous (a rollback retires published partitions, never their claims)."""
+    return max((p for r, p in zip(log.runs, log.parts) if r == run_name and p is not None),
+               default=_first(log.table) - 1)
 
 
 def finish_commits(root: str, marker: str, run_name: str, log: dl.Snapshot) -> list[int]:
@@ -173,20 +192,30 @@ def last_claimed(marker: str, run_name: str, log: dl.Snapshot) -> Optional[int]:
     part = _last_published(log, run_name)
     while log.claimed(dl.app_id(run_name, PARTITION[marker], part + 1)):
         part += 1
-    return None if part < 0 else part
+    return None if part < _first(marker) else part
 
 
-def remove_other_attempts(root: str, marker: str, run_name: str, part: int, attempt: str) -> int:
-    """After a commit: delete files other attempts left behind (no commit names them), and temp
-    files of writers killed mid-write: once the partition is committed none can ever count."""
-    removed = 0
+def remove_other_attempts(root: str, marker: str, run_name: str, part: int, attempt: str,
+                          logged: Callable[[str], set[str]]) -> list[str]:
+    """After a commit: delete the files other attempts of the same partition left behind, and the
+    temp files of their writers killed mid-write: once the partition is committed none can ever
+    count. Only names an attempt writes (ATTEMPT_FILE, ATTEMPT_TEMP) of another attempt, and never
+    a file the post-commit Delta log names (`logged(table)`: paths relative to the table, asked
+    only when there is something to delete): a compaction committing meanwhile writes files of its
+    own that must stay. Returns the removed locations."""
+    removed = []
     for table in data_tables(marker):
+        rel = f"run={run_name}/{PARTITION[table]}={part}/"
+        stale = []
         for p in st.list_dir(partition_dir(root, table, run_name, part)):
-            n = st.name(p)
-            stale_tmp = n.startswith(".") and n.endswith(".tmp")
-            if stale_tmp or (n.endswith(".parquet") and attempt_of(p) != attempt):
+            m = ATTEMPT_FILE.fullmatch(st.name(p))
+            if (m is not None and m["attempt"] != attempt) or ATTEMPT_TEMP.fullmatch(st.name(p)):
+                stale.append(p)
+        keep = logged(table) if stale else set()
+        for p in stale:
+            if rel + st.name(p) not in keep:
                 st.delete(p)
-                removed += 1
+                removed.append(p)
     return removed
 
 

@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
@@ -23,11 +23,14 @@ from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from deltalake.transaction import AddAction, CommitProperties, Transaction, create_table_with_add_actions
 
 from unstable_dask.lake import storage as st
-from unstable_dask.lake.catalog import TABLES, with_partitions
+from unstable_dask.lake.catalog import TABLES, counts, with_partitions
 
 log = logging.getLogger("unstable_dask.lake")
 _METADATA_RETRIES = 5
 MIXED = "unstable_dask.mixedSchemas"  # table property: some files lack columns of the catalog schema
+# A marker file's footer key: its count columns were counted by the commit (commit.commit_marker),
+# not set by a driver of a lake older than the counts, so readers may check the data against them.
+COUNTED = "unstable_dask.counted"
 
 Lake = Union[str, Path]
 
@@ -96,12 +99,23 @@ def file_facts(lake: Lake, table: str, rel: str) -> FileFacts:
 
 def add_action(table: str, rel: str, facts: FileFacts) -> tuple[AddAction, bool]:
     """The add action of a file and whether it lacks columns of the catalog schema (written
-    before they existed)."""
+    before they existed). A marker file's stats also carry its count columns (min = max: one
+    row), so a snapshot knows how many rows each commit made visible without opening a file."""
     values = dict(part.split("=", 1) for part in rel.split("/")[:-1])
     names = set(facts.metadata.schema.to_arrow_schema().names)
     lacks = not set(TABLES[table].schema.names) <= names
-    return AddAction(rel, facts.size, values, facts.mtime_ms, True,
-                     json.dumps({"numRecords": facts.metadata.num_rows})), lacks
+    stats: dict = {"numRecords": facts.metadata.num_rows}
+    counted = (facts.metadata.metadata or {}).get(COUNTED.encode()) == b"true"
+    if TABLES[table].rule == "marker" and counted and facts.metadata.num_row_groups == 1:
+        rg = facts.metadata.row_group(0)
+        for i in range(rg.num_columns):
+            col = rg.column(i)
+            if col.path_in_schema in counts(table).values() and col.is_stats_set:
+                if col.statistics.has_min_max:
+                    stats.setdefault("minValues", {})[col.path_in_schema] = col.statistics.min
+                    stats.setdefault("maxValues", {})[col.path_in_schema] = col.statistics.max
+                stats.setdefault("nullCount", {})[col.path_in_schema] = col.statistics.null_count
+    return AddAction(rel, facts.size, values, facts.mtime_ms, True, json.dumps(stats)), lacks
 
 
 def commit(lake: Lake, table: str, rels: list[str], app: Optional[str] = None,
@@ -167,6 +181,9 @@ class Snapshot:
     parts: list[Optional[int]]  # round / iteration of each file (None for unpartitioned tables)
     mixed: bool
     log: Optional[DeltaTable] = None  # the log as read (its application transactions: claims)
+    rows: list[Optional[int]] = field(default_factory=list)  # each file's row count, as its add action records it
+    # marker tables: {count column: its value in each marker file} (None where the stats lack it)
+    counts: dict[str, list[Optional[int]]] = field(default_factory=dict)
 
     def claimed(self, app: str) -> bool:
         """Whether `app` (a partition's commit) is in this version of the log."""
@@ -179,11 +196,17 @@ def snapshot(lake: Lake, table: str, version: Optional[int] = None) -> Snapshot:
         return Snapshot(table, None, [], [], [], False)
     adds = pa.table(dt.get_add_actions(flatten=True))
     part = TABLES[table].partition
+    n = adds.num_rows
     parts: list[Optional[int]] = ([int(v) for v in adds.column(f"partition.{part}").to_pylist()]
-                                  if part and adds.num_rows else [None] * adds.num_rows)
-    runs = adds.column("partition.run").to_pylist() if adds.num_rows else []
-    return Snapshot(table, dt.version(), adds.column("path").to_pylist() if adds.num_rows else [], runs, parts,
-                    dt.metadata().configuration.get(MIXED) == "true", dt)
+                                  if part and n else [None] * n)
+    runs = adds.column("partition.run").to_pylist() if n else []
+
+    def column(name: str) -> list[Optional[int]]:
+        return adds.column(name).to_pylist() if n and name in adds.column_names else [None] * n
+
+    marker_counts = {c: column(f"min.{c}") for c in counts(table).values()}
+    return Snapshot(table, dt.version(), adds.column("path").to_pylist() if n else [], runs, parts,
+                    dt.metadata().configuration.get(MIXED) == "true", dt, column("num_records"), marker_counts)
 
 
 def compact(lake: Lake, table: str, run_name: Optional[str] = None, target_mb: int = 128) -> dict:
@@ -198,11 +221,16 @@ def compact(lake: Lake, table: str, run_name: Optional[str] = None, target_mb: i
     return {"table": table, "added": metrics.get("numFilesAdded", 0), "removed": metrics.get("numFilesRemoved", 0)}
 
 
-def vacuum(lake: Lake, table: str, retention_hours: float) -> list[str]:
-    """Delete files the log removed (compaction) more than `retention_hours` ago. Files never
-    named by a commit (a round still being played) are left alone: `full=False`."""
+def vacuum(lake: Lake, table: str, retention_hours: float) -> tuple[list[str], set[str]]:
+    """Delete files the log removed (compaction, rollback) more than `retention_hours` ago. Files
+    never named by a commit (a round still being played) are left alone: `full=False`. Returns the
+    deleted paths and every path the log still names (its files and its younger removals), all
+    relative to the table."""
     dt = load(lake, table)
     if dt is None:
-        return []
+        return [], set()
     # delta-rs takes whole hours: round up, so no file younger than asked is ever deleted
-    return dt.vacuum(retention_hours=math.ceil(retention_hours), dry_run=False, enforce_retention_duration=False)
+    removed = dt.vacuum(retention_hours=math.ceil(retention_hours), dry_run=False, enforce_retention_duration=False)
+    kept = dt.vacuum(retention_hours=0, dry_run=True, enforce_retention_duration=False)  # removals still on disk
+    adds = pa.table(dt.get_add_actions(flatten=True))
+    return removed, set(kept) | set(adds.column("path").to_pylist() if adds.num_rows else [])

@@ -51,6 +51,10 @@ class Lake:
     def remote(self) -> bool:
         return st.is_remote(self.uri)
 
+    def exists(self) -> bool:
+        """Whether there is a lake here (a folder, or objects under the prefix)."""
+        return st.is_dir(self.root)
+
     def location(self, rel: str) -> str:
         """A location inside the lake from a path relative to its root (as rows store them)."""
         return st.join(self.root, *rel.split("/"))
@@ -171,8 +175,11 @@ class Lake:
         commit.retire(self.root, marker, run_name, parts)
         self.refresh().refresh_catalog()
 
-    def remove_other_attempts(self, marker: str, run_name: str, part: int, attempt: str) -> int:
-        return commit.remove_other_attempts(self.root, marker, run_name, part, attempt)
+    def remove_other_attempts(self, marker: str, run_name: str, part: int, attempt: str) -> list[str]:
+        """After committing `attempt`: delete other attempts' files of the partition (commit.remove_other_attempts),
+        never one the log names as read after the commit (this snapshot: `commit` refreshed it)."""
+        return commit.remove_other_attempts(self.root, marker, run_name, part, attempt,
+                                            lambda table: set(self.snapshot.log(table).paths))
 
     def refresh_catalog(self) -> Optional[str]:
         """Rewrite <lake>/lake.duckdb for the duckdb shell (local lakes only: the shell has no s3fs)."""

@@ -20,7 +20,7 @@ import pyarrow as pa
 from unstable_dask.errors import JobError
 from unstable_dask.lake import delta as dl
 from unstable_dask.lake import storage as st
-from unstable_dask.lake.catalog import DELTA_TABLES, HIVE_TYPES, PARTITION, TABLES, VIEWS, with_partitions
+from unstable_dask.lake.catalog import DELTA_TABLES, HIVE_TYPES, PARTITION, TABLES, VIEWS, data_tables, with_partitions
 
 # Marker tables are read before data tables: a commit applies data files before it publishes the
 # marker, so a marker row seen here has all its data files in the data snapshots read after it.
@@ -38,6 +38,7 @@ class Snapshot:
     pinned: dict[str, int] = field(default_factory=dict)  # {table: Delta version} to read instead of the newest
     _logs: dict[str, dl.Snapshot] = field(default_factory=dict)
     _replace_files: dict[str, list[str]] = field(default_factory=dict)  # listed on first use
+    _checked: set[str] = field(default_factory=set)  # data tables whose row counts match their commits
 
     def log(self, table: str) -> dl.Snapshot:
         if table not in self._logs:
@@ -45,6 +46,14 @@ class Snapshot:
             if marker is not None:
                 self.log(marker)
             self._logs[table] = dl.snapshot(self.root, table, self.pinned.get(table))
+            if TABLES[table].rule == "marker" and self._logs[table].version is None:
+                # A commit creates the marker's log before its data tables' logs: data without
+                # the marker's log is a lake whose commits are lost, never an empty one.
+                for data in data_tables(table):
+                    if self.log(data).paths:
+                        raise JobError(f"lake {self.root}: table {table!r} has no Delta log ({table}/_delta_log) but "
+                                       f"{data!r} holds committed files: the log that says which {PARTITION[table]}s "
+                                       "are committed is lost; restore it from a backup")
         return self._logs[table]
 
     @property
@@ -71,9 +80,44 @@ class Snapshot:
         marker = TABLES[table].marker
         if marker is not None:
             m = self.log(marker)
+            if table not in self._checked:
+                check_counts(self.root, table, m, s)
+                self._checked.add(table)
             published = set(zip(m.runs, m.parts))
             keep = [i for i in keep if (s.runs[i], s.parts[i]) in published]
         return [st.join(self.root, table, s.paths[i]) for i in keep], s.mixed
+
+
+def check_counts(root: str, table: str, marker: dl.Snapshot, data: dl.Snapshot) -> None:
+    """A data table holds exactly the rows each published commit counted (the marker's count
+    column against the row counts of the data log's add actions, both already in the snapshot):
+    a data log that lost a commit, or is gone, is an error naming the table and partition, never a
+    smaller table. Commits written before the counts existed are not checked."""
+    if not marker.paths:
+        return
+    part = PARTITION[marker.table]
+    if data.version is None:
+        raise JobError(f"lake {root}: table {table!r} has no Delta log ({table}/_delta_log), but {marker.table!r} "
+                       f"commits {len(marker.paths)} {part}(s) of it (run {marker.runs[0]!r}, {part} {marker.parts[0]}, "
+                       "...): its committed files are lost to readers; restore the log from a backup")
+    col = TABLES[table].counted_by
+    if col is None:
+        return
+    expected = {(r, p): c for r, p, c in zip(marker.runs, marker.parts, marker.counts[col]) if c is not None}
+    held: dict[tuple, int] = dict.fromkeys(expected, 0)
+    unknown = set()  # partitions with a file whose add action records no row count: not checked
+    for r, p, n in zip(data.runs, data.parts, data.rows):
+        if (r, p) in held:
+            if n is None:
+                unknown.add((r, p))
+            else:
+                held[(r, p)] += n
+    bad = sorted(k for k, c in expected.items() if held[k] != c and k not in unknown)
+    if bad:
+        (r, p), more = bad[-1], f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise JobError(f"lake {root}: table {table!r} holds {held[(r, p)]} rows of {part} {p} of run {r!r}, but its "
+                       f"commit in {marker.table!r} made {expected[(r, p)]} visible{more}: {table}/_delta_log lost a "
+                       "commit or was edited; restore it from a backup")
 
 
 def _replace_files(root: str, table: str) -> list[str]:
@@ -173,6 +217,8 @@ def check_select_only(con: duckdb.DuckDBPyConnection, sql: str, what: str = "SQL
         statements = con.extract_statements(sql)
     except duckdb.Error as e:
         raise JobError(f"{what}: does not parse ({str(e).splitlines()[0]})") from None
+    if not statements:
+        raise JobError(f"{what}: no statement to run (the query is empty)")
     for stmt in statements:
         if stmt.type != duckdb.StatementType.SELECT:
             raise JobError(f"{what}: only SELECT queries may run against the lake, got a {stmt.type.name} statement")

@@ -102,10 +102,11 @@ class Listed:
     mtime_ms: int
 
 
-def list_files(loc: Location) -> list[Listed]:
-    """The files directly under `loc` with their sizes and mtimes, from one listing, sorted."""
+def list_files(loc: Location, recursive: bool = False) -> list[Listed]:
+    """The files directly under `loc` (every file below it when `recursive`) with their sizes and
+    mtimes, from one listing, sorted."""
     fs, path = resolve(loc)
-    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=recursive))
     return sorted(Listed(join(loc, i.path[len(path):].lstrip("/")), i.size, int(i.mtime.timestamp() * 1000))
                   for i in infos if i.type == pafs.FileType.File)
 

@@ -33,7 +33,7 @@ import pyarrow as pa
 
 from unstable_dask.config import BASE_UID, Job
 from unstable_dask.errors import JobError
-from unstable_dask.inference.engine import adapter_digest
+from unstable_dask.inference.engine import Adapter, adapter_digest, check_adapter
 from unstable_dask.lake import Lake
 from unstable_dask.lake import storage as st
 from unstable_dask.lake.catalog import LEARNER_STEPS
@@ -247,6 +247,8 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
         torch.cuda.reset_peak_memory_stats()  # cuda_mem_peak is the update's own, not the engine's generate
     try:
         parent = st.local_dir(p.parent_adapter) if p.parent_adapter else None
+        if parent is not None:
+            check_adapter(Adapter(p.parent_uid, parent))  # one line for a damaged folder, not a loader's traceback
         expected = p.lineage.get(p.parent_uid, (0, None))[1]
         if parent is not None and expected is not None and adapter_digest(parent) != expected:
             raise JobError(f"{p.parent_uid} of run '{p.run_name}': the adapter at {p.parent_adapter} is not the one its "
@@ -414,7 +416,8 @@ def rollback(job: Job, to: str) -> Rollback:
     """Retire every checkpoint of the run newer than `to` (a checkpoint uid, or "base") and every round
     those checkpoints played, so the run goes on from `to`: the next learn trains `to` again on the
     rounds it played and the next round plays it. Numbers are not reused (ckpt-k and round r of the
-    retired ones stay claimed in the log); their adapter folders stay until `run vacuum`."""
+    retired ones stay claimed in the log); `run vacuum` removes their adapter folders once older than its
+    retention."""
     lake, run_name = Lake(job.run.lake), job.run.name
     ckpts = lake.table("checkpoints").rows(run_name, order_by="iteration")
     by_uid = {BASE_UID: 0} | {c["uid"]: c["iteration"] for c in ckpts}

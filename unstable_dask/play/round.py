@@ -102,21 +102,33 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
             with _in_job(job):
                 client = stack.enter_context(open_client(job.cluster))
         results = _run_tasks(client, job, lake, tasks, n_games, round_, current, console)
-    wall = time.perf_counter() - t0
-    summary = RoundSummary(run_name, round_, current.uid, sum(r["games"] for r in results),
-                           sum(r["turns"] for r in results), sum(r["completion_tokens"] for r in results),
-                           wall, results, lake.uri)
+        wall = time.perf_counter() - t0
+        summary = RoundSummary(run_name, round_, current.uid, sum(r["games"] for r in results),
+                               sum(r["turns"] for r in results), sum(r["completion_tokens"] for r in results),
+                               wall, results, lake.uri)
+        # Committed before the cluster we started is torn down: a shutdown that hangs or fails
+        # must not lose a round that is fully played.
+        _commit(job, lake, summary, attempt, len(tasks), started)
+        teardown = stack.pop_all()
     try:
-        lake.commit_round(run_name, round_, dict(
-            attempt=attempt, checkpoint_uid=current.uid, games=summary.games, turns=summary.turns, tasks=len(tasks),
-            completion_tokens=summary.completion_tokens, temperature=job.model.temperature, top_p=job.model.top_p,
+        teardown.close()
+    except Exception as e:  # noqa: BLE001 - any failure to shut down, after the round is safe
+        console.print(f"warning: round {round_} of run {run_name!r} is committed, but shutting its cluster down "
+                      f"failed ({type(e).__name__}: {e}); check for leftover worker processes", highlight=False)
+    return summary
+
+
+def _commit(job: Job, lake: Lake, s: RoundSummary, attempt: str, tasks: int, started) -> None:
+    try:
+        lake.commit_round(s.run_name, s.round, dict(
+            attempt=attempt, checkpoint_uid=s.checkpoint_uid, games=s.games, turns=s.turns, tasks=tasks,
+            completion_tokens=s.completion_tokens, temperature=job.model.temperature, top_p=job.model.top_p,
             max_new_tokens=job.model.max_new_tokens, job_fingerprint=job.fingerprint(),
             job=json.dumps(job.model_dump(mode="json"), sort_keys=True), started_at=started, committed_at=now()))
     except FileExistsError:
-        raise JobError(f"round {round_} of run {run_name!r} was committed by another driver while this one played; "
-                       f"nothing of this attempt is visible; run the command again for round {round_ + 1}") from None
-    lake.remove_other_attempts("rounds", run_name, round_, attempt)
-    return summary
+        raise JobError(f"round {s.round} of run {s.run_name!r} was committed by another driver while this one played; "
+                       f"nothing of this attempt is visible; run the command again for round {s.round + 1}") from None
+    lake.remove_other_attempts("rounds", s.run_name, s.round, attempt)
 
 
 def _run_tasks(client: Client, job: Job, lake: Lake, tasks, n_games: int, round_: int, current: Checkpoint,

@@ -20,13 +20,15 @@ Replay rules (the ratings are a pure function of the lake):
   through `trueskill.TrueSkill.rate`; both agree with the package to rounding.
 * Incremental: the replay state (every mu/sigma and counter) is saved in the lake table
   `ratings_state`; a later rate job replays only rounds newer than the saved ones, which equals a
-  full replay. A rating-parameter change, a lineage change of a rated model, or a newly committed
-  round older than the saved state forces a full replay.
+  full replay. A rating-parameter change, a lineage change of a rated model, a newly committed
+  round older than the saved state, or a state or history whose checksum (kept in the state's
+  metadata) does not match what the last rate wrote forces a full replay.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -43,6 +45,7 @@ from unstable_dask.rate.duels import FAST, MIRROR, MULTI, SOLO, dense_ranks, ent
 from unstable_dask.skill import make_env
 
 OVERALL = "*"
+log = logging.getLogger("unstable_dask.rate")
 
 # The tables this job writes: their schemas live in the catalog with every other table's.
 SCHEMAS: dict[str, pa.Schema] = {t: catalog.SCHEMAS[t] for t in ("ratings", "rating_history", "head_to_head", "ratings_state")}
@@ -112,21 +115,49 @@ def _fingerprint(cfg: RatingsConfig, models: list[str], parent_of: dict[str, str
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _digest(table: pa.Table) -> str:
+    """sha256 of a table's values (column by column: nulls, then values), whatever its chunks or
+    file: what `rate` wrote is what the next `rate` continues from, or it replays in full."""
+    h = hashlib.sha256()
+    for name in table.column_names:
+        col = table.column(name)
+        h.update(name.encode() + b"\0" + pa.compute.is_null(col).to_numpy(zero_copy_only=False).tobytes())
+        if pa.types.is_string(col.type):
+            h.update(json.dumps(col.to_pylist()).encode())
+        else:
+            h.update(pa.compute.fill_null(col, pa.scalar(0, col.type)).to_numpy(zero_copy_only=False).tobytes())
+    return h.hexdigest()
+
+
 def _load_state(lake: Lake, run_name: str, cfg: RatingsConfig, parent_of: dict[str, str],
-                committed: list[int]) -> Optional[tuple[pa.Table, list[int]]]:
-    """The saved state, if it may be extended by the rounds committed since; else None."""
+                committed: list[int]) -> Optional[tuple[pa.Table, list[int], pa.Table]]:
+    """The saved state, its rounds and the rating history written with it, if it may be extended
+    by the rounds committed since; else None (a full replay). A state or history that is not
+    what the last rate wrote (checksums in the state's metadata) is replayed, never trusted."""
     path = lake.file("ratings_state", run_name, None, "state")
-    if not storage.is_whole_parquet(path):
+    history_path = lake.file("rating_history", run_name, None, "rating_history")
+    if storage.size(path) is None:
         return None
-    table = storage.read_table(path)
-    meta = json.loads(table.schema.metadata[b"unstable_dask"])
+    try:
+        table = storage.read_table(path)
+        meta = json.loads(table.schema.metadata[b"unstable_dask"])
+        history = storage.read_table(history_path).cast(SCHEMAS["rating_history"])
+        whole = meta["sha256"] == _digest(table) and meta["history_sha256"] == _digest(history)
+    except Exception as e:  # noqa: BLE001 - torn, bit-flipped, older or missing: any state not proven whole
+        whole, why = False, f"{type(e).__name__}: {str(e)[:200]}"
+    else:
+        why = "its checksum does not match"
+    if not whole:
+        log.warning("rate: the saved replay state of run %r (%s) cannot be trusted (%s); replaying every round",
+                    run_name, path, why)
+        return None
     done = meta["rounds"]
     models = sorted(set(table.column("model_uid").to_pylist()) | set(table.column("model_b").drop_null().to_pylist()))
     if meta["fingerprint"] != _fingerprint(cfg, models, parent_of) or not set(done) <= set(committed):
         return None
     if any(r <= max(done, default=-1) for r in set(committed) - set(done)):
         return None  # a round older than the state was committed late: canonical order changed
-    return table, done
+    return table, done, history.filter(pa.compute.is_in(history.column("round"), pa.array(done, pa.int64())))
 
 
 # ---------------------------------------------------------------- reading and replaying games
@@ -330,6 +361,10 @@ def rate(job: Job, full: bool = False) -> RatingsResult:
     t0 = time.perf_counter()
     cfg, run_name, lake = job.ratings, job.run.name, Lake(job.run.lake)
     committed = lake.rounds(run_name)  # one snapshot for the rounds and every game read below
+    if not committed:  # a typo in run.name, not a run to write empty ratings for
+        runs = ", ".join(repr(r) for r in sorted(set(lake.snapshot.log("rounds").runs))) or "none"
+        raise JobError(f"{job.source}: run {run_name!r} has no committed round in lake {lake.uri!r} (runs there: "
+                       f"{runs}); nothing to rate")
     con = lake.connect()
     try:
         parent_of = _lineage(con, run_name)
@@ -349,10 +384,8 @@ def rate(job: Job, full: bool = False) -> RatingsResult:
     todo = [r for r in committed if r not in set(done)]
     snaps = _replay(st, cfg, duels, rounds, todo)
 
-    history_path = lake.file("rating_history", run_name, None, "rating_history")
-    if done and storage.is_whole_parquet(history_path):
-        prev = storage.read_table(history_path).cast(SCHEMAS["rating_history"])
-        snaps.insert(0, prev.filter(pa.compute.is_in(prev.column("round"), pa.array(done, pa.int64()))))
+    if saved:
+        snaps.insert(0, saved[2])
     history = _sorted(pa.concat_tables(snaps) if snaps else SCHEMAS["rating_history"].empty_table(),
                       [("round", "ascending"), ("env_id", "ascending"), ("model_uid", "ascending")])
     state = _state_table(st)
@@ -360,7 +393,8 @@ def rate(job: Job, full: bool = False) -> RatingsResult:
     paths = [lake.write(name, run_name, None, name, table)
              for name, table in (("ratings", ratings), ("rating_history", history), ("head_to_head", head))]
     saved_models = sorted(set(state.column("model_uid").to_pylist()) | set(state.column("model_b").drop_null().to_pylist()))
-    meta = {"rounds": committed, "fingerprint": _fingerprint(cfg, saved_models, parent_of)}
+    meta = {"rounds": committed, "fingerprint": _fingerprint(cfg, saved_models, parent_of), "sha256": _digest(state),
+            "history_sha256": _digest(history)}
     state = state.replace_schema_metadata({"unstable_dask": json.dumps(meta)})
     paths.append(lake.write("ratings_state", run_name, None, "state", state))  # last: the commit point
     kinds = np.array(duels["dkind"][::2], dtype=np.int64)

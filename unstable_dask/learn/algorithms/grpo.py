@@ -50,7 +50,7 @@ from typing import Callable, Literal, Optional
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from unstable_dask.config import LearnConfig
+from unstable_dask.config import MAX_EPOCHS, LearnConfig
 from unstable_dask.learn import passes
 from unstable_dask.learn.algorithms import Batch, Models, Spec
 from unstable_dask.learn.tokens import clip_and_step
@@ -69,7 +69,7 @@ class PPOConfig(LearnConfig):
     kl_coef: float = Field(0.0, ge=0.0)
     """Weight of the k3 KL to the frozen base model (0: no reference forward pass); each token's k3
     is clamped at 10, as verl does."""
-    ppo_epochs: int = Field(1, gt=0)
+    ppo_epochs: int = Field(1, gt=0, le=MAX_EPOCHS)
     """Passes over one sampled batch (verl's ppo_epochs)."""
     ppo_mini_batch_size: Optional[int] = Field(None, gt=0)
     """Rows per optimizer step inside an epoch (verl's ppo_mini_batch_size); None: the whole batch.
