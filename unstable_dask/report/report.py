@@ -12,29 +12,20 @@ checkpoints; the charts show every round. The lake keeps everything, a query awa
 """
 from __future__ import annotations
 
-import base64
-import functools
-import hashlib
 import math
-import os
-import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-import jinja2
 import pyarrow as pa
-from markupsafe import Markup
 
 from unstable_dask.config import LEGAL_RANDOM_UID, Job
 from unstable_dask.lake import Lake
-from unstable_dask.report import arena, charts
+from unstable_dask.report import arena, charts, league, pages
 from unstable_dask.report.timeline import timeline
 
-HERE = Path(__file__).resolve().parent
 TABLE_ROUNDS = 20  # rows of the per-round tables (curves, timeline): the newest rounds
 SAMPLE_MODELS = arena.NEWEST + 1  # transcripts of the newest learner checkpoints and the best-rated one
 SAMPLES_PER_MODEL = 2  # transcript games per checkpoint
-MAX_TURN_CHARS = 4000  # long prompts/observations are cut (the lake keeps them whole)
 
 
 # The learning curves, one query over every run (`run report --show-sql` prints it, `run sql` runs
@@ -94,27 +85,23 @@ LEFT JOIN rating_history h ON h.run = w.run AND h.round = w.round AND h.model_ui
 def round_curves(con, run_name: str, round_: Optional[int] = None) -> list[dict]:
     """CURVES_SQL rows of one run (of one round when given), eval rows first within a round."""
     where, params = ("run = ? AND round = ?", [run_name, round_]) if round_ is not None else ("run = ?", [run_name])
-    return _rows(con, f"SELECT * FROM ({CURVES_SQL}) WHERE {where} ORDER BY round, split DESC, opponent", params)
-
-
-def _rows(con, sql: str, params: list) -> list[dict]:
-    return con.sql(sql, params=params).to_arrow_table().to_pylist()
+    return pages.rows(con, f"SELECT * FROM ({CURVES_SQL}) WHERE {where} ORDER BY round, split DESC, opponent", params)
 
 
 def gather(lake: Lake, run_name: str) -> dict[str, Any]:
     """Everything the run page shows, as plain Python values and chart specs."""
     con = lake.connect()
     try:
-        ckpts = _rows(con, "SELECT uid, parent_uid, iteration FROM checkpoints WHERE run = ? ORDER BY iteration, uid", [run_name])
+        ckpts = pages.rows(con, "SELECT uid, parent_uid, iteration FROM checkpoints WHERE run = ? ORDER BY iteration, uid", [run_name])
         newest = [c["uid"] for c in ckpts][-arena.NEWEST:]
         boards, arena_views = arena.views(con, run_name, newest)  # ratings rows + Arena columns, per env
         overall = arena_views.get("*", {}).get("shown", [])
-        history = _rows(con, "SELECT round, model_uid, mu, sigma FROM rating_history WHERE run = ? AND env_id = '*' "
+        history = pages.rows(con, "SELECT round, model_uid, mu, sigma FROM rating_history WHERE run = ? AND env_id = '*' "
                         "AND list_contains(?, model_uid) ORDER BY round, model_uid", [run_name, overall])
-        h2h = _rows(con, "SELECT model_a, model_b, win_rate_a, games FROM head_to_head WHERE run = ? AND env_id = '*' "
+        h2h = pages.rows(con, "SELECT model_a, model_b, win_rate_a, games FROM head_to_head WHERE run = ? AND env_id = '*' "
                     "AND list_contains(?, model_a) AND list_contains(?, model_b)", [run_name, overall, overall])
         curves = round_curves(con, run_name)
-        per_env = _rows(con, """
+        per_env = pages.rows(con, """
             SELECT g.env_id, g.split, count(DISTINCT g.game_id) AS games, avg(g.num_turns) AS game_length,
                    avg((s.reward > 0)::DOUBLE) AS learner_win_rate
             FROM games g LEFT JOIN seats s ON s.game_id = g.game_id AND s.run = g.run AND s.is_learner
@@ -232,7 +219,7 @@ def _learner(con, run_name: str) -> Optional[dict]:
         return None
     # Column names come from the lake's own schema, quoted as identifiers; values stay parameters.
     avgs = ", ".join(f'avg("{c}") AS "{c}"' for c in (c.replace('"', '""') for c in cols))
-    rows = _rows(con, f"SELECT iteration, {avgs} FROM learner_steps WHERE run = ? GROUP BY iteration ORDER BY iteration", [run_name])
+    rows = pages.rows(con, f"SELECT iteration, {avgs} FROM learner_steps WHERE run = ? GROUP BY iteration ORDER BY iteration", [run_name])
     drawn = [c for c in cols if any(r[c] is not None and math.isfinite(r[c]) for r in rows)]
     return charts.facets(rows, "iteration", drawn)
 
@@ -240,75 +227,57 @@ def _learner(con, run_name: str) -> Optional[dict]:
 def _samples(con, run_name: str, newest: list[str], best: list[str]) -> list[dict]:
     """A few games (first by round, game_id) of the newest learner checkpoints and the best-rated
     learner models, SAMPLE_MODELS in all, with their turns."""
-    learners = {r["model_uid"] for r in _rows(con, "SELECT DISTINCT model_uid FROM turns WHERE run = ? AND is_learner", [run_name])}
+    learners = {r["model_uid"] for r in pages.rows(con, "SELECT DISTINCT model_uid FROM turns WHERE run = ? AND is_learner", [run_name])}
     models = [m for m in dict.fromkeys([*reversed(newest), *best]) if m in learners][:SAMPLE_MODELS]
     out = []
     for m in models:
-        games = _rows(con, """SELECT game_id, round, env_id, split, seats FROM games WHERE run = ? AND game_id IN
+        games = pages.rows(con, """SELECT game_id, round, env_id, split, seats FROM games WHERE run = ? AND game_id IN
                                   (SELECT game_id FROM turns WHERE run = ? AND model_uid = ? AND is_learner)
                               ORDER BY round, game_id LIMIT ?""", [run_name, run_name, m, SAMPLES_PER_MODEL])
+        by_game = pages.turns(con, run_name, [g["game_id"] for g in games])
         for g in games:
-            g["turns"] = _rows(con, """SELECT turn, pid, model_uid, observation, prompt, completion, action, format_ok,
-                                              invalid_move FROM turns WHERE run = ? AND game_id = ? ORDER BY turn""",
-                               [run_name, g["game_id"]])
-            for t in g["turns"]:
-                for k in ("observation", "prompt", "completion"):
-                    if t[k] is not None and len(t[k]) > MAX_TURN_CHARS:
-                        t[k] = t[k][:MAX_TURN_CHARS] + f"\n... [{len(t[k]) - MAX_TURN_CHARS} more characters]"
+            g["turns"] = by_game[g["game_id"]]
         out.append({"model": m, "games": games})
     return out
 
 
-@functools.cache
-def _env() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
-                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters["num"] = lambda v, fmt="{:.2f}": "" if v is None else fmt.format(v)
-    env.policies["json.dumps_kwargs"] = {"sort_keys": True, "separators": (",", ":"), "allow_nan": False}
-    # Our own static files (not data) are inlined so the page works from file:// with no requests:
-    # the Vega bundle and our script are the page's one <script>.
-    env.globals["static"] = {p.name: Markup(p.read_text(encoding="utf-8")) for p in sorted((HERE / "static").iterdir())
-                             if p.is_file()}
-    script = charts.bundle() + "\n" + (HERE / "static" / "report.js").read_text(encoding="utf-8")
-    if "</script" in script.lower() or "<!--" in script:  # either would change how the HTML parser ends the element
-        raise RuntimeError("the report's script holds '</script' or '<!--'")
-    env.globals["page_script"] = Markup(script)
-    # The Content-Security-Policy allows exactly that script (by hash): even if escaping ever failed,
-    # an injected <script> or on* attribute would not run.
-    digest = hashlib.sha256(script.encode("utf-8")).digest()
-    env.globals["script_hash"] = "sha256-" + base64.b64encode(digest).decode("ascii")
-    return env
-
-
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def report(job: Job) -> Path:
-    """Write reports/<run>/index.html for job.run.name and refresh reports/index.html; return the page."""
+    """Write reports/<run>/index.html for job.run.name, the job's league's pages when the lake has
+    its ratings (reports/<league>/), and refresh reports/index.html; return the run's page."""
     lake, root, run_name = Lake(job.run.lake), Path(job.run.reports), job.run.name
-    env = _env()
+    env = pages.env()
     page = root / run_name / "index.html"
-    _write(page, env.get_template("run.html.j2").render(**gather(lake, run_name)))
+    pages.write(page, env.get_template("run.html.j2").render(**gather(lake, run_name)))
+    con = lake.connect()
+    try:
+        rated = set(league.leagues(con))
+    finally:
+        con.close()
+    if job.league_name in rated:
+        league.write(lake, job.league_name, root)
     names = [p.parent.name for p in sorted(root.glob("*/index.html"))]
-    _write(root / "index.html", env.get_template("index.html.j2").render(**runs_index(lake, names)))
+    pages.write(root / "index.html", env.get_template("index.html.j2").render(
+        **runs_index(lake, [n for n in names if n not in rated]), leagues=[n for n in names if n in rated]))
     return page
 
 
 def runs_index(lake: Lake, names: list[str]) -> dict[str, Any]:
-    """The index page: per run its rounds, games and best model, and the runs' eval curves overlaid."""
+    """The index page: per run its rounds, games, best model and best checkpoint in any league of
+    the lake, and the runs' eval curves overlaid."""
     con = lake.connect()
     try:
-        runs = _rows(con, """
+        runs = pages.rows(con, """
             WITH r AS (SELECT run, count(DISTINCT round) AS rounds, coalesce(sum(games), 0) AS games FROM rounds GROUP BY run),
             t AS (SELECT run, model_uid AS top, conservative AS top_conservative FROM ratings WHERE env_id = '*'
-                  QUALIFY row_number() OVER (PARTITION BY run ORDER BY conservative DESC, model_uid) = 1)
-            SELECT n.run AS name, coalesce(r.rounds, 0) AS rounds, coalesce(r.games, 0) AS games, t.top, t.top_conservative
-            FROM unnest(?::VARCHAR[]) n(run) LEFT JOIN r USING (run) LEFT JOIN t USING (run) ORDER BY n.run""", [names])
-        evals = _rows(con, f"""SELECT run, round, opponent, win_rate, win_rate_low, win_rate_high FROM ({CURVES_SQL})
+                  QUALIFY row_number() OVER (PARTITION BY run ORDER BY conservative DESC, model_uid) = 1),
+            l AS (SELECT source_run AS run, run AS league, checkpoint AS league_best, rating AS league_rating,
+                         rating_low AS league_low, rating_high AS league_high FROM league_ratings WHERE kind = 'checkpoint'
+                  QUALIFY row_number() OVER (PARTITION BY source_run ORDER BY rating DESC, run, checkpoint) = 1)
+            SELECT n.run AS name, coalesce(r.rounds, 0) AS rounds, coalesce(r.games, 0) AS games, t.top, t.top_conservative,
+                   l.league, l.league_best, l.league_rating, l.league_low, l.league_high
+            FROM unnest(?::VARCHAR[]) n(run) LEFT JOIN r USING (run) LEFT JOIN t USING (run) LEFT JOIN l USING (run)
+            ORDER BY n.run""", [names])
+        evals = pages.rows(con, f"""SELECT run, round, opponent, win_rate, win_rate_low, win_rate_high FROM ({CURVES_SQL})
                                WHERE split = 'eval' AND opponent NOT IN ('*', 'self') AND list_contains(?, run)
                                ORDER BY run, opponent, round""", [names])
     finally:
@@ -318,6 +287,4 @@ def runs_index(lake: Lake, names: list[str]) -> dict[str, Any]:
                         "round", "eval win rate", y_range=(0, 1), width=640,
                         bands={s: [(e["round"], e["win_rate_low"], e["win_rate_high"]) for e in evals
                                    if (e["run"], e["opponent"]) == k] for k, s in series.items()})
-    for r in runs:
-        r["href"] = f"{r['name']}/index.html"
     return {"runs": runs, "compare": chart}
