@@ -71,18 +71,19 @@ def curve(job) -> list[dict]:
 
 
 def plot(points: list[dict]) -> str:
-    from unstable_dask.report.report import line_chart, svg_document
+    from unstable_dask.report import charts
     inv = [(p["round"], p["invalid_rate"]) for p in points]
     win = [(p["round"], p["win_rate"]) for p in points]
-    chart = line_chart(
+    chart = charts.line(
         {"eval invalid-move rate": inv, f"eval win rate vs {OPPONENT}": win,
          "train invalid-move rate": [(p["round"], p["train_invalid_rate"]) for p in points
                                      if p["train_invalid_rate"] is not None]},
-        "round (checkpoint that played it)", "rate", y_range=(0, 1), width=640, height=300,
+        "round (checkpoint that played it)", "rate", y_range=(0, 1), width=480, height=260,
         bands={"eval invalid-move rate": [(p["round"], *p["invalid_rate_ci"]) for p in points],
                f"eval win rate vs {OPPONENT}": [(p["round"], *p["win_rate_ci"]) for p in points]})
-    return svg_document(chart, "SmolLM2-135M-Instruct learning TicTacToe against the random agent "
-                               "(eval games, Wilson 95% CIs)")
+    assert chart is not None
+    return charts.svg(chart, "SmolLM2-135M-Instruct learning TicTacToe against the random agent "
+                             "(eval games, Wilson 95% CIs)")
 
 
 def main() -> None:

@@ -165,3 +165,32 @@ def duel_table(n: int, strengths: np.ndarray, rng: np.random.Generator, env_ids:
         "started_at": pa.array(np.full(n, T0)), "finished_at": pa.array(np.full(n, T0)),
         "worker": pa.array(np.full(n, "w0")), "task": pa.array(np.full(n, "t0")),
         "seats": pa.ListArray.from_arrays(pa.array(np.arange(0, 2 * n + 1, 2), pa.int32()), seats)})
+
+
+def play_league_pass(lake_dir: Path, league: str, round_: int, specs: list, strength: dict[str, float],
+                     rng: random.Random, seat_edge: float = 0.3) -> None:
+    """A league pass (play/league.py GameSpecs of 2-player games) played by formula and committed like
+    a round: seat 0 wins with probability sigmoid(s0 - s1 + seat_edge) (10% draws)."""
+    games = []
+    for g in specs:
+        a, b = (s.model_uid for s in g.seats)
+        ra, rb = outcome(rng, strength[a] + seat_edge, strength[b])
+        games.append({**game(round_, 0, g.env_id, [seat(0, a, ra), seat(1, b, rb)], g.split),
+                      "game_id": g.game_id, "group_id": g.group_id, "seed": g.seed})
+    write_round(lake_dir, league, round_, games, checkpoint=None)
+
+
+def run_league(job, strength: dict[str, float], seed: int = 0) -> list:
+    """A league driven as `run league` drives it, with passes played by formula (play_league_pass):
+    rate, plan, play, until a plan is empty. Returns every plan (play/league.py Pass), the empty last."""
+    from unstable_dask.play.league import plan_pass
+    from unstable_dask.rate.league import rate_league
+    rng, plans = random.Random(seed), []
+    while True:
+        rate_league(job)
+        plans.append(plan_pass(job, Lake(job.run.lake)))
+        if not plans[-1].games:
+            return plans
+        last = Lake(job.run.lake).last_round(job.league_name)
+        play_league_pass(Path(job.run.lake), job.league_name, 0 if last is None else last + 1, plans[-1].games,
+                         strength, rng)

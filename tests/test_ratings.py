@@ -33,14 +33,14 @@ def file_bytes(lake_dir: Path) -> dict[str, bytes]:
     return {t: (Path(Lake(lake_dir).partition_dir(t, RUN)) / f"{k}.parquet").read_bytes() for t, k in FILES}
 
 
-def oracle(lake_dir: Path, cfg, include_eval: bool = True) -> tuple[dict, dict]:
+def oracle(lake_dir: Path, cfg, include_eval: bool = True, run: str = RUN) -> tuple[dict, dict]:
     """The documented rules as a direct loop, every game through trueskill.TrueSkill.rate."""
     env = trueskill.TrueSkill(mu=cfg.mu, sigma=cfg.sigma, beta=cfg.beta, tau=cfg.tau,
                               draw_probability=cfg.draw_probability)
     con = Lake(lake_dir).connect()
     games = con.sql("SELECT round, env_id, split, seats FROM games WHERE run = ? ORDER BY round, game_id",
-                    params=[RUN]).fetchall()
-    parent = dict(con.sql("SELECT uid, parent_uid FROM checkpoints WHERE run = ?", params=[RUN]).fetchall())
+                    params=[run]).fetchall()
+    parent = dict(con.sql("SELECT uid, parent_uid FROM checkpoints WHERE run = ?", params=[run]).fetchall())
     con.close()
     R: dict[tuple[str, str], trueskill.Rating] = {}
     history: dict[tuple[int, str, str], tuple[float, float]] = {}

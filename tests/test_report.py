@@ -1,6 +1,9 @@
-"""The HTML report: renders from a synthetic lake, opens in real headless Chromium, runs no model text."""
+"""The HTML report: renders from a synthetic lake, opens in real headless Chromium, runs no model text,
+loads nothing, and its charts (Vega-Lite, drawn by Vega) carry the lake's numbers."""
 from __future__ import annotations
 
+import html as html_lib
+import json
 import os
 import re
 from contextlib import contextmanager
@@ -10,8 +13,9 @@ from typing import Any, Iterator
 import pytest
 
 from unstable_dask.jobfile import default_job
+from unstable_dask.lake import Lake
 from unstable_dask.rate import ratings
-from unstable_dask.report import report
+from unstable_dask.report import arena, charts, report
 
 import synthetic_lake as sl
 
@@ -37,8 +41,9 @@ def chromium_or_skip() -> str:
 
 @contextmanager
 def opened(path: Path) -> Iterator[tuple[Any, list[str]]]:
-    """The page at `path` in headless Chromium, and the console errors and warnings, uncaught page
-    errors and dialogs (an injected alert) it produced."""
+    """The page at `path` in headless Chromium once its charts are drawn, and the console errors and
+    warnings, uncaught page errors, dialogs (an injected alert) and requests for anything but the
+    page itself (a CDN, an image) it produced."""
     exe = chromium_or_skip()
     from playwright.sync_api import sync_playwright
     with sync_playwright() as p:
@@ -46,14 +51,36 @@ def opened(path: Path) -> Iterator[tuple[Any, list[str]]]:
         try:
             pg = browser.new_page()
             errors: list[str] = []
+            url = path.resolve().as_uri()
             pg.on("console", lambda m: errors.append(m.text) if m.type in ("error", "warning") else None)
             pg.on("pageerror", lambda e: errors.append(str(e)))
             pg.on("dialog", lambda d: (errors.append("dialog: " + d.message), d.dismiss()))
-            pg.goto(path.resolve().as_uri())
-            pg.wait_for_load_state("load")
+            pg.on("request", lambda r: errors.append("request: " + r.url) if r.url != url else None)
+            pg.goto(url)
+            pg.wait_for_selector("body[data-charts=drawn]", state="attached", timeout=60_000)
             yield pg, errors
         finally:
             browser.close()
+
+
+def marks(where: Any, role: str) -> list[dict[str, str]]:
+    """The chart marks of one role ('point', 'rect mark', 'line mark', ...) under the locator
+    `where`, each as the fields of its aria-label, which Vega writes from the mark's encodings and
+    tooltip ('round: 1; win rate: 0.5; series: vs random; ...')."""
+    labels = where.locator(f"[aria-roledescription='{role}']").evaluate_all(
+        "els => els.map(e => e.getAttribute('aria-label'))")
+    return [dict(kv.split(": ", 1) for kv in label.split("; ")) for label in labels]
+
+
+def num(text: str) -> float:
+    """A number as Vega prints it (a U+2212 minus sign)."""
+    return float(text.replace("\u2212", "-").replace(",", ""))
+
+
+def specs(page_html: str) -> dict[str, dict]:
+    """The Vega-Lite spec of each chart with an id, read back from the page's HTML."""
+    return {k: json.loads(html_lib.unescape(v)) for k, v in
+            re.findall(r'<figure class="chart" id="([^"]+)">\s*<div class="vl" data-spec=\'([^\']*)\'', page_html)}
 
 
 @pytest.fixture(scope="module")
@@ -64,22 +91,43 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     job.run.lake, job.run.name, job.run.reports = str(d / "lake"), "syn", str(d / "reports")
     ratings.rate(job)
     page = report.report(job)
-    # A second run with no ratings yet: the index lists both and its page says what is missing.
-    job2 = job.model_copy(deep=True)
-    job2.run.name = "empty"
-    report.report(job2)
+    # A second run to compare with, and a third with no ratings yet: the index lists them all and
+    # the empty run's page says what is missing.
+    sl.make_run(d / "lake", "syn2", rounds=2, games_per_round=12, seed=9, hostile=False)
+    for name in ("syn2", "empty"):
+        other = job.model_copy(deep=True)
+        other.run.name = name
+        if name == "syn2":
+            ratings.rate(other)
+        report.report(other)
     return page
 
 
 def test_page_is_escaped_without_a_browser(site: Path) -> None:
     html = site.read_text(encoding="utf-8")
-    assert html.count("<script") == 1  # only our own sorting script
+    assert html.count("<script") == 1  # one script: the Vega bundle and our own (charts, sorting)
     for bad in sl.HOSTILE:
         assert bad not in html  # every hostile string is escaped
     assert "&lt;script&gt;window.__pwned = 1&lt;/script&gt;" in html
     assert "&lt;img src=x onerror=&#34;window.__pwned = 2&#34;&gt;" in html
-    assert "http://" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")  # no CDN, nothing remote
-    assert "https://" not in html
+    rest = html.replace(charts.bundle(), "")  # the bundle's code names the SVG namespace and the Vega editor
+    assert "http://" not in rest and "https://" not in rest  # no CDN, nothing remote
+    # In the charts, model text is data only: never a field name, a sort order or an expression.
+    found = specs(html)
+    assert {"bt-all", "h2h-map", "learner-chart"} <= set(found)
+
+    def strings(v: Any, path: str = "") -> Iterator[tuple[str, str]]:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                yield path, k
+                yield from strings(x, f"{path}/{k}")
+        elif isinstance(v, list):
+            for x in v:
+                yield from strings(x, path)
+        elif isinstance(v, str):
+            yield path, v
+    hostile = [(path, v) for spec in found.values() for path, v in strings(spec) if sl.HOSTILE[1] in v]
+    assert hostile and all(path.startswith("/datasets/") for path, _ in hostile), hostile
     index = (site.parent.parent / "index.html").read_text(encoding="utf-8")
     assert 'href="syn/index.html"' in index and 'href="empty/index.html"' in index
     assert "No ratings yet" in (site.parent.parent / "empty" / "index.html").read_text(encoding="utf-8")
@@ -96,9 +144,27 @@ def test_report_in_headless_chromium(site: Path) -> None:
         assert rows.count() >= 4
         models = page.locator("#lb-all td.model").all_inner_texts()
         assert "ckpt-2" in models and sl.HOSTILE[1] in models  # hostile model name shown as text
-        assert page.locator("svg polyline").count() >= 3  # rating history, checkpoints, learner, rounds
-        assert page.locator("svg rect").count() >= 10  # heat-map cells and legends
-        assert page.locator("svg.ci circle").count() >= 4  # BT CI bars
+        assert page.locator("div.vl svg [aria-roledescription='line mark']").count() >= 3  # rating history, checkpoints, rounds
+        # The head-to-head map: a cell per ordered pair that met, with the lake's win rate and games
+        # (the hostile model name is a label like any other).
+        lake = Lake(site.parent.parent.parent / "lake")
+        want = {(r["model_a"], r["model_b"]): r for r in lake.sql(
+            "SELECT model_a, model_b, win_rate_a, games FROM head_to_head WHERE run = 'syn' AND env_id = '*'").to_pylist()}
+        cells = marks(page.locator("#h2h-map"), "rect mark")
+        assert len(cells) == len(want) >= 10
+        for c in cells:
+            w = want[(c["model"], c["against"])]
+            assert num(c["win rate (draws half)"]) == pytest.approx(w["win_rate_a"], abs=5e-4) and int(c["games"]) == w["games"]
+        assert sl.HOSTILE[1] in {c["model"] for c in cells}
+        # BT interval bars: every rated model's score and 95% CI as the rate job wrote them
+        bt = {r["model_uid"]: r for r in lake.sql(
+            "SELECT model_uid, bt_score, bt_ci_low, bt_ci_high FROM ratings WHERE run = 'syn' AND env_id = '*'").to_pylist()}
+        bars = marks(page.locator("#bt-all"), "point")
+        assert len(bars) == len(bt) >= 4
+        for b in bars:
+            r = bt[b["model"]]
+            assert [num(b[k]) for k in ("BT score", "95% CI low", "95% CI high")] == \
+                pytest.approx([r["bt_score"], r["bt_ci_low"], r["bt_ci_high"]], rel=1e-5)
         assert page.locator("img").count() == 0 and page.locator("pre script").count() == 0
         completions = " ".join(page.locator("pre.completion").all_inner_texts())
         assert "<script>window.__pwned = 1</script>" in completions and "onerror=" in completions
@@ -114,20 +180,40 @@ def test_report_in_headless_chromium(site: Path) -> None:
         assert index.locator("a[href='syn/index.html']").count() == 1
 
 
+def test_index_compares_runs(site: Path) -> None:
+    """The runs index overlays the runs' eval curves: a line per run and fixed opponent, each point
+    the win rate (draws half) and its Wilson interval counted here from the lake's seats."""
+    lake = Lake(site.parent.parent.parent / "lake")
+    seats = lake.sql("""SELECT s.run, s.round, s.reward, o.reward AS other FROM seats s JOIN seats o
+        ON o.run = s.run AND o.game_id = s.game_id AND o.pid <> s.pid
+        WHERE s.split = 'eval' AND s.is_learner AND o.model_uid = 'random' AND s.num_players = 2""").to_pylist()
+    expected = {}
+    for run, round_ in {(x["run"], x["round"]) for x in seats}:
+        mine = [x for x in seats if (x["run"], x["round"]) == (run, round_)]
+        rate = sum(1.0 if x["reward"] > x["other"] else 0.5 if x["reward"] == x["other"] else 0.0 for x in mine) / len(mine)
+        expected[(f"{run} vs random", round_)] = (rate, *_wilson(rate, len(mine)))
+    assert {run for run, _ in expected} == {"syn vs random", "syn2 vs random"}
+    with opened(site.parent.parent / "index.html") as (pg, errors):
+        runs = pg.locator("#runs tbody tr").all_inner_texts()
+        assert [r.split("\t")[:2] for r in runs] == [["empty", "0"], ["syn", "3"], ["syn2", "2"]]
+        points = marks(pg.locator("#compare-eval"), "point")
+        _assert_points([p for p in points if p["series"].endswith(" vs random")], "eval win rate", expected)
+        assert errors == []
+
+
 def _wilson(p: float, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
     centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / (1 + z * z / n)
     return max(centre - half, 0.0), min(centre + half, 1.0)
 
 
-_NUMBER = re.compile(r"-?\d[\d.e+-]*")
-
-
-def _assert_tips(shown: list[str], expected: list[str]) -> None:
-    """Same words, same numbers up to the 6 digits shown (at a rate of 0 or 1 an interval's end is
-    0 or 1 up to rounding: 1.4e-17 from Python's pow, 0 from DuckDB's sqrt)."""
-    assert [_NUMBER.sub("#", t) for t in shown] == [_NUMBER.sub("#", t) for t in expected]
-    for a, b in zip(shown, expected):
-        assert [float(x) for x in _NUMBER.findall(a)] == pytest.approx([float(x) for x in _NUMBER.findall(b)], rel=1e-5, abs=1e-9), (a, b)
+def _assert_points(shown: list[dict[str, str]], ylabel: str, expected: dict[tuple[str, int], tuple[float, float, float]]) -> None:
+    """The points drawn are the expected (series, round) -> (value, CI low, CI high), up to the 6
+    digits shown (at a rate of 0 or 1 an interval's end is 0 or 1 up to rounding: 1.4e-17 from
+    Python's pow, 0 from DuckDB's sqrt)."""
+    got = {(p["series"], int(num(p["round"]))): tuple(num(p[k]) for k in (ylabel, "95% CI low", "95% CI high")) for p in shown}
+    assert len(got) == len(shown) and set(got) == set(expected), (got, expected)
+    for k, v in expected.items():
+        assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-9), k
 
 
 @pytest.mark.slow
@@ -159,14 +245,14 @@ def test_learning_curves_show_the_lakes_numbers(tmp_path: Path, local_client) ->
         mine = [s for s in seats if s["round"] == r]
         rate = sum(1.0 if s["reward"] > s["other"] else 0.5 if s["reward"] == s["other"] else 0.0 for s in mine) / len(mine)
         lo, hi = _wilson(rate, len(mine))
-        tips[("vs random", r)] = f"{rate:.6g} (95% CI {lo:.6g} .. {hi:.6g})"
+        tips[("vs random", r)] = (rate, lo, hi)
         # `loop` prints the same figures after each round
         assert f"eval vs random (24 games): win rate {rate:.2f} [{lo:.2f}, {hi:.2f}], invalid moves" in \
             "\n".join(round_summary(job, r))
         ev = [t["invalid_move"] for t in turns if t["round"] == r and t["split"] == "eval"]
         inv = sum(ev) / len(ev)
         lo, hi = _wilson(inv, len(ev))
-        tips[("eval", r)] = f"{inv:.6g} (95% CI {lo:.6g} .. {hi:.6g})"
+        tips[("eval", r)] = (inv, lo, hi)
 
     # Where the hardware waited: lock-step, so the update ran between the two rounds, not inside one.
     from unstable_dask.report.timeline import timeline
@@ -185,17 +271,59 @@ def test_learning_curves_show_the_lakes_numbers(tmp_path: Path, local_client) ->
         captions = pg.locator("#curves figcaption").all_inner_texts()
         assert len(captions) == 5, captions  # win rate, invalid moves, format, length, TrueSkill
         win = pg.locator("#curves figure", has_text="Eval win rate")
-        assert win.locator("polyline").count() == 1 and win.locator("polygon").count() == 1  # the line and its CI band
-        shown = win.locator("circle title").all_text_contents()
-        _assert_tips(shown, [f"vs random: {tips[('vs random', r)]} at {r}" for r in (0, 1)])
-        invalid = pg.locator("#curves figure", has_text="Invalid-move rate").locator("circle title").all_text_contents()
-        _assert_tips([t for t in invalid if t.startswith("eval")], [f"eval: {tips[('eval', r)]} at {r}" for r in (0, 1)])
+        assert len(marks(win, "line mark")) == 1 and len(marks(win, "area mark")) == 1  # the line and its CI band
+        _assert_points(marks(win, "point"), "win rate", {("vs random", r): tips[("vs random", r)] for r in (0, 1)})
+        invalid = marks(pg.locator("#curves figure", has_text="Invalid-move rate"), "point")
+        _assert_points([p for p in invalid if p["series"] == "eval"], "invalid-move rate",
+                       {("eval", r): tips[("eval", r)] for r in (0, 1)})
         # The table has a row per round, split and opponent of the checkpoint that played it.
         rows = pg.locator("#curves-table tbody tr").all_inner_texts()
         assert any(r.startswith("1\tckpt-1\teval\trandom") for r in rows), rows
-        mu = pg.locator("#curves figure", has_text="TrueSkill").locator("circle title").all_text_contents()
+        mu = marks(pg.locator("#curves figure", has_text="TrueSkill"), "point")
         assert len(mu) == 4  # mu and conservative, two rounds
-        # The learner charts are curves, not counters.
-        learner = pg.locator("#learner figcaption").all_inner_texts()
-        assert learner and not [c for c in learner if c.split()[0] in ("update", "batch_seed")]
+        # The learner charts are curves, not counters: one small chart per column, titled by it.
+        learner = [t.removeprefix("Title text ").strip("'") for t in pg.locator(
+            "#learner-chart [aria-roledescription='title']").evaluate_all("els => els.map(e => e.getAttribute('aria-label'))")]
+        assert "loss" in learner and not [c for c in learner if c in ("update", "batch_seed", "iteration")]
         assert errors == []
+
+
+@pytest.mark.slow
+def test_a_long_run_shows_the_best_and_newest(tmp_path: Path) -> None:
+    """More checkpoints and rounds than a page shows: the leaderboard, its interval bars, the
+    head-to-head map and the matrices hold the TOP_K best models and the NEWEST newest checkpoints,
+    the per-round tables the newest TABLE_ROUNDS rounds while the charts hold every round, the
+    transcripts SAMPLE_MODELS models, and notes say what is left out and how to query it."""
+    n = report.TABLE_ROUNDS + 4
+    sl.make_run(tmp_path / "lake", "long", rounds=n, games_per_round=6, seed=3)
+    job = default_job()
+    job.run.lake, job.run.name, job.run.reports = str(tmp_path / "lake"), "long", str(tmp_path / "reports")
+    ratings.rate(job)
+    html = report.report(job).read_text(encoding="utf-8")
+    board = Lake(tmp_path / "lake").sql("SELECT model_uid FROM ratings WHERE run = 'long' AND env_id = '*' "
+                                        "ORDER BY conservative DESC, model_uid").column(0).to_pylist()
+    newest = {f"ckpt-{k}" for k in range(n - arena.NEWEST, n)}
+    shown = [m for m in board if m in set(board[:arena.TOP_K]) | newest]
+    assert len(shown) == arena.TOP_K + arena.NEWEST - len(newest & set(board[:arena.TOP_K])) < len(board)
+
+    def cells(table_id: str, cls: str = "model") -> list[str]:
+        table = re.search(f'<table[^>]* id="{table_id}"[^>]*>(.*?)</table>', html, re.S)
+        assert table, table_id
+        return [html_lib.unescape(c) for c in re.findall(f'<td class="{cls}">(.*?)</td>', table.group(1))]
+
+    assert cells("lb-all") == shown
+    assert f"{len(board) - len(shown)} more models not shown" in html
+    charts_ = specs(html)
+    assert [r["model"] for r in charts_["bt-all"]["datasets"]["rows"]] == shown
+    h2h = charts_["h2h-map"]["datasets"]["rows"]
+    assert h2h and {r["a"] for r in h2h} | {r["b"] for r in h2h} <= set(shown)
+    assert set(cells("wf-all")) <= set(shown) and len(cells("wf-all")) > 1
+    # per-round tables: the newest rounds; the learning curves: every round
+    table = html[html.index('id="curves-table"'):]
+    rounds = {int(r) for r in re.findall(r'<tr><td data-v="(\d+)">', table[:table.index("</table>")])}
+    assert sorted(rounds) == list(range(n - report.TABLE_ROUNDS, n)) and "The table holds the newest" in html
+    assert {r["x"] for r in charts_["curve-1"]["datasets"]["rows"]} == set(range(n))  # eval win rate
+    timeline = html[html.index('id="timeline"'):]
+    assert timeline[:timeline.index("</section>")].count("<tr><td>") == report.TABLE_ROUNDS
+    transcripts = html[html.index('id="transcripts"'):]
+    assert transcripts.count("<summary>ckpt-") == report.SAMPLE_MODELS

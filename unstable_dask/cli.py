@@ -1,6 +1,6 @@
 """Command line: `python -m unstable_dask.run <command> [--job jobs/X.toml] [options]`.
 
-Commands: round, eval, learn, rate, report, loop, track, sql, cluster; lake upkeep: compact,
+Commands: round, eval, learn, rate, report, loop, league, track, sql, cluster; lake upkeep: compact,
 vacuum, migrate. Each is a thin mirror of a Python function of its stage. A job file (`--job`)
 describes the run; with none the embedded default runs (CPU, builtin tiny model, LocalCluster, ./lake,
 ./reports). User mistakes print one line and exit with code 2; tracebacks are for bugs.
@@ -171,6 +171,19 @@ def cmd_loop(args) -> None:
     loop(_job(args), rounds=args.rounds)
 
 
+def cmd_league(args) -> None:
+    job = _job(args)
+    from unstable_dask.loop import league
+    res = league(job, console=err)
+    console.print(str(res), highlight=False)
+    rows = [{"rank": r["rank"], "entrant": r["entrant"], "rating": round(r["rating"]),
+             f"{job.league.confidence:.0%} interval": "" if r["rating_low"] is None else
+             f"[{r['rating_low']:.0f}, {r['rating_high']:.0f}]", "W-D-L": f"{r['wins']}-{r['draws']}-{r['losses']}",
+             "P(above next)": r["p_above_next"]} for r in res.ratings.ratings.to_pylist()]
+    _print_table(rows, title=f"league {res.league} ({job.league.anchor} = {job.league.anchor_rating:g})")
+    console.print(f"tables: league_ratings, league_pairs (run = '{res.league}') in {root(job.run.lake)}")
+
+
 def _lake_of(args) -> str:
     """The lake a lake command works on (--lake, the job's, or ./lake); it must exist."""
     lake = args.lake or (load_job(args.job).run.lake if args.job else "lake")
@@ -268,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--show-sql", action="store_true", help="print the SQL of the per-round learning curves and exit")
     sp = add("loop", "round -> learn -> rate -> report, N times; resumes where it stopped")
     sp.add_argument("--rounds", type=int, default=3)
+    add("league", "rank the [league] entrants (checkpoints of any run, base models, endpoints, random) by "
+                  "seat-balanced duplicate games, pairing adaptively; resumes where it stopped")
     add("track", "mirror the run's lake (rounds, learner steps, ratings) to the trackers in run.trackers")
     sp = add("cluster", "start the job's cluster and print its address (or --dry-run the batch script)")
     sp.add_argument("--dry-run", action="store_true", help="print the batch script that would be submitted")
@@ -298,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS = {"round": cmd_round, "eval": lambda a: cmd_round(a, eval_only=True), "learn": cmd_learn,
             "rollback": cmd_rollback,
-            "rate": cmd_rate, "report": cmd_report, "loop": cmd_loop, "track": cmd_track, "sql": cmd_sql,
+            "rate": cmd_rate, "report": cmd_report, "loop": cmd_loop, "league": cmd_league, "track": cmd_track, "sql": cmd_sql,
             "cluster": cmd_cluster, "compact": cmd_compact, "vacuum": cmd_vacuum, "migrate": cmd_migrate}
 
 

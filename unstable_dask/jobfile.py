@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 import tomllib
 from pydantic import ValidationError
 
-from unstable_dask.config import Job, reserved_uid
+from unstable_dask.config import Job, covers, entrant_spec, reserved_uid
 from unstable_dask.errors import JobError
 from unstable_dask.learn import algorithms
 from unstable_dask.play.prompts import TEMPLATE_NAMES
@@ -70,6 +70,7 @@ def validate_job(raw: dict, source: str = "<default>") -> Job:
         learn.max_generation_len = job.model.max_new_tokens
     _check_templates(job)
     _check_opponents(job)
+    _check_league(job)
     _check_algorithm(job)
     check_learn_sql(job)
     return job
@@ -81,6 +82,7 @@ def _check_templates(job: Job) -> None:
     for split in ("train", "eval"):
         keys += [(f"round.{split}_envs[{i}].template", e.template)
                  for i, e in enumerate(getattr(job.round, f"{split}_envs")) if e.template is not None]
+    keys += [(f"league.games[{i}].template", g.template) for i, g in enumerate(job.league.games) if g.template is not None]
     for key, name in keys:
         if name not in TEMPLATE_NAMES:
             raise JobError(f"{job.source}: key '{key}' has value {name!r}: unknown template {name!r}; "
@@ -106,6 +108,29 @@ def opponent_error(job: Job, key: str, name: str) -> str:
     return (f"{job.source}: key '{key}' names opponent {name!r}: expected 'random', 'base', an endpoint "
             f"of [endpoints] ({declared}), a checkpoint uid of run {job.run.name!r} (ckpt-<k>), "
             f"or a LoRA adapter directory")
+
+
+def _check_league(job: Job) -> None:
+    """[league] across keys: its own run, names that are endpoints or adapters, an anchor and first-pass
+    entrants among the entrants (decided from the specs: the lake is not read at load)."""
+    cfg, src = job.league, job.source
+    if job.league_name == job.run.name:
+        raise JobError(f"{src}: key 'league.name' has value {cfg.name!r}: a league writes its games under a run of "
+                       f"its own; choose a name other than run.name")
+    specs = [entrant_spec(e) for e in cfg.entrants]
+    for i, (text, spec) in enumerate(zip(cfg.entrants, specs)):
+        if spec.kind == "name" and text not in job.endpoints and not (Path(text) / "adapter_config.json").is_file():
+            declared = ", ".join(repr(n) for n in job.endpoints) or "none declared"
+            raise JobError(f"{src}: key 'league.entrants[{i}]' names entrant {text!r}: expected 'random', 'base', "
+                           f"'base:<model>', '<run>:ckpt-<k>', '<run>:*', '<run>:every-<k>', an endpoint of "
+                           f"[endpoints] ({declared}), or a LoRA adapter directory")
+    named = [("league.anchor", cfg.anchor)] + [(f"league.first_pass[{i}]", f) for i, f in enumerate(cfg.first_pass)]
+    for key, text in named:
+        if not covers(specs, entrant_spec(text), job.run.name, job.model.base):
+            raise JobError(f"{src}: key '{key}' has value {text!r}: not one of league.entrants ({cfg.entrants})")
+    if cfg.every and not job.ratings.bootstrap:
+        raise JobError(f"{src}: key 'ratings.bootstrap' has value 0: the league (league.every = {cfg.every}) "
+                       f"separates entrants by bootstrap resamples; set it to 100 or more")
 
 
 def _check_algorithm(job: Job) -> None:

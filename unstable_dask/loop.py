@@ -1,14 +1,18 @@
-"""The loop job: round -> learn -> rate -> report, until the run has `rounds` trained rounds.
+"""The commands that chain stages: `loop` (round -> learn -> rate -> report, until the run has
+`rounds` trained rounds) and `league` (pass -> rate -> pairing, until its ranking is separated).
 
-Everything it needs to know comes from the lake: the last committed round and whether the newest
-checkpoint already trained on it. A loop killed anywhere and started again first finishes the
-learner iteration of a committed but untrained round, then plays on: nothing is lost (committed
-rounds and checkpoints stay) and nothing is duplicated (a round is committed once, a round already
-trained on is not trained again, an uncommitted round or checkpoint is redone from scratch).
+Everything they need to know comes from the lake: the last committed round and whether the newest
+checkpoint already trained on it; a league's committed passes and their ratings. A loop killed
+anywhere and started again first finishes the learner iteration of a committed but untrained round,
+then plays on: nothing is lost (committed rounds and checkpoints stay) and nothing is duplicated (a
+round is committed once, a round already trained on is not trained again, an uncommitted round or
+checkpoint is redone from scratch). A killed league plays its uncommitted pass again, the same games.
 """
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Optional
 
 from rich.console import Console
@@ -17,8 +21,9 @@ from unstable_dask.cluster.client import open_client, task_resources
 from unstable_dask.config import Job
 from unstable_dask.errors import JobError
 from unstable_dask.lake import Lake
-from unstable_dask.learn.learner import check_quantization, learn, plan, resolve_device
+from unstable_dask.learn.learner import LearnResult, check_quantization, learn, plan, resolve_device
 from unstable_dask.rate import ratings
+from unstable_dask.rate.league import LeagueRatings, rate_league
 from unstable_dask.report import report, trackers
 
 
@@ -156,6 +161,8 @@ def _learn(job: Job, client, console: Console, rate: bool):
     if rate:
         _rate_and_report(job, console)
     _track(job, console)
+    if job.league.every and isinstance(res, LearnResult) and not res.skipped and res.iteration % job.league.every == 0:
+        console.print(str(league(job, client, console)), highlight=False)
     return res
 
 
@@ -167,3 +174,65 @@ def _after_round(job: Job, summary, console: Console) -> None:
     if job.run.compact_every and (summary.round + 1) % job.run.compact_every == 0:
         _compact(job, console)
     _track(job, console)
+
+
+# ---------------------------------------------------------------- the league
+
+@dataclass
+class LeagueResult:
+    league: str
+    reason: str  # why it stopped: "separated" (every adjacent pair) or "budget"
+    ratings: LeagueRatings  # after the last pass
+    total: int  # games of the league in the lake
+    passes: list = field(default_factory=list)  # RoundSummary of each pass this call played
+
+    @property
+    def games(self) -> int:
+        """Games this call played."""
+        return sum(p.games for p in self.passes)
+
+    def __str__(self) -> str:
+        why = "every adjacent pair is separated" if self.reason == "separated" else "the game budget is spent"
+        return (f"league {self.league}: {len(self.passes)} pass(es), {self.games} games played now, {self.total} "
+                f"in all; stopped: {why}")
+
+
+def league(job: Job, client=None, console: Optional[Console] = None) -> LeagueResult:
+    """Play the league of `job` ([league]) until every adjacent pair of its ranking is separated at
+    league.confidence or its budget is spent; the Python twin of `run league`. Each pass is planned
+    from the lake (play/league.py), played and committed like a round, then rated (rate/league.py);
+    run again, it goes on from what the lake holds, and plays only games the lake lacks."""
+    from unstable_dask.inference.weights import resolve_model
+    from unstable_dask.play.league import plan_pass, resolve_entrants
+    from unstable_dask.play.round import play_tasks
+    from unstable_dask.play.schedule import check_envs
+    console = console or Console(stderr=True)
+    name = job.league_name
+    if not job.ratings.bootstrap:
+        raise JobError(f"{job.source}: key 'ratings.bootstrap' has value 0: a league separates its entrants by "
+                       f"bootstrap resamples; set it to 100 or more")
+    check_envs(job)  # everything a user can get wrong fails here, before a cluster starts or a file is written
+    entrants = resolve_entrants(job, Lake(job.run.lake))
+    for model in sorted({e.base_model for e in entrants if e.base_model}):
+        try:
+            resolve_model(model)  # builds a builtin once, not on every worker
+        except JobError as e:
+            raise JobError(f"{job.source}: key 'league.entrants' names base model {model!r}: "
+                           f"{str(e).split(': ', 1)[-1]}") from None
+    passes: list = []
+    with contextlib.ExitStack() as stack:
+        while True:
+            lake = Lake(job.run.lake)
+            lake.finish_commits("rounds", name)  # a pass whose driver died mid-commit
+            rated = rate_league(job)
+            step = plan_pass(job, Lake(job.run.lake))
+            if not step.games:
+                return LeagueResult(name, step.reason, rated, step.played, passes)
+            if client is None:
+                client = stack.enter_context(open_client(job.cluster))
+            last = lake.last_round(name)
+            round_ = 0 if last is None else last + 1
+            console.print(f"league {name} pass {round_} ({step.phase}): {len(step.games)} games of "
+                          f"{len(step.pairs)} pairings; {step.played} played before", highlight=False)
+            passes.append(play_tasks(job, lake, name, round_, step.tasks(job.round.games_per_task, round_), None,
+                                     client, console))

@@ -36,11 +36,14 @@ def _f(name: str, type_: pa.DataType, doc: str = "") -> pa.Field:
 
 
 GAMES = pa.schema([
-    _f("game_id", pa.string(), "`<run>-r<round>-<split>-<index>`, deterministic, one per game"),
-    _f("split", pa.string(), "`train` (learner data) or `eval` (against fixed opponents)"),
+    _f("game_id", pa.string(), "`<run>-r<round>-<split>-<index>`, deterministic, one per game (a league's: "
+       "`<group_id>-s<seat rotation>`)"),
+    _f("split", pa.string(), "`train` (learner data), `eval` (against fixed opponents), `baseline` "
+       "(round.eval_baseline) or `league` (a league's games)"),
     _f("env_id", pa.string(), "TextArena env id, e.g. `SimpleTak-v0-train`"),
     _f("seed", pa.int64(), "the env's reset seed, from (run seed, round, split, group index); shared by a group"),
-    _f("group_id", pa.string(), "`<run>-r<round:04d>-<split>-g<index:05d>`: the games of one start state (see Groups)"),
+    _f("group_id", pa.string(), "`<run>-r<round:04d>-<split>-g<index:05d>`: the games of one start state (see Groups); "
+       "a league's: one duplicate deal, `<league>-<a>-vs-<b>-<env_id>-p<players>-<template>-d<deal:04d>`"),
     _f("num_players", pa.int32(), "seats"),
     _f("num_turns", pa.int32(), "moves played (invalid attempts included)"),
     _f("started_at", pa.timestamp("us", tz="UTC")),
@@ -184,6 +187,39 @@ RATINGS_STATE = pa.schema([
     _f("draws", pa.int64()), _f("losses", pa.int64()), _f("mirror_games", pa.int64()),
 ])
 
+# A league (`run league`, play/league.py + rate/league.py): per entrant and per pair of entrants,
+# written under the league's run by the league's rate step after every pass.
+LEAGUE_RATINGS = pa.schema([
+    _f("entrant", pa.string(), "its uid, the seats' model_uid in the league's games: `random`, `base:<model>`, "
+       "`<run>:ckpt-<k>`, `endpoint:<model>`, `adapter:<folder>`"),
+    _f("kind", pa.string(), "agent / base / checkpoint / endpoint / adapter"),
+    _f("source_run", pa.string(), "a checkpoint's run (null for other kinds)"),
+    _f("checkpoint", pa.string(), "a checkpoint's uid in its run, `ckpt-<k>`"),
+    _f("iteration", pa.int64(), "a checkpoint's learner iteration; 0 for a base model (where a run's curve starts)"),
+    _f("base_model", pa.string(), "the base model it plays on (null: the random agent, endpoints, adapters)"),
+    _f("rating", pa.float64(), "Bradley-Terry on the Elo scale, anchored: the anchor entrant at league.anchor_rating"),
+    _f("rating_low", pa.float64(), "central league.confidence bootstrap interval, each resample anchored "
+       "(the anchor's is a point; null without ratings.bootstrap)"),
+    _f("rating_high", pa.float64()),
+    _f("anchor", pa.bool_(), "the entrant the scale is fixed on"),
+    _f("mu", pa.float64(), "TrueSkill of the league's games, replayed in (pass, game_id) order (not anchored)"),
+    _f("sigma", pa.float64()),
+    _f("games", pa.int64()), _f("wins", pa.int64()), _f("draws", pa.int64()), _f("losses", pa.int64()),
+    _f("rank", pa.int64(), "position by rating, 1 = strongest"),
+    _f("p_above_next", pa.float64(), "share of bootstrap resamples rating it above the next entrant of the ranking"),
+    _f("separated", pa.bool_(), "p_above_next >= league.confidence: the league stops when every adjacent pair is "
+       "(null for the last)"),
+    _f("passes", pa.int64(), "committed passes (rounds) of the league these ratings cover"),
+])
+LEAGUE_PAIRS = pa.schema([
+    _f("entrant", pa.string()), _f("opponent", pa.string(), "every other rated entrant, met or not"),
+    _f("games", pa.int64(), "games between the two (0: never met)"),
+    _f("wins", pa.int64(), "the entrant's"), _f("draws", pa.int64()), _f("losses", pa.int64()),
+    _f("score", pa.float64(), "(wins + draws / 2) / games; null when they never met"),
+    _f("p_above", pa.float64(), "share of bootstrap resamples rating the entrant above the opponent"),
+    _f("gap_sd", pa.float64(), "bootstrap standard deviation of the rating difference (Elo points)"),
+])
+
 
 def _strip(schema: pa.Schema) -> pa.Schema:
     """The schema files are written with: the docs stay here, not in every file's footer."""
@@ -224,6 +260,10 @@ TABLES: dict[str, Table] = {t.name: t for t in [
     Table("head_to_head", HEAD_TO_HEAD, None, ("model_a",), "replace", doc="pairwise results (both directions)"),
     Table("ratings_state", RATINGS_STATE, None, ("kind",), "replace", view=False,
           doc="the replay state `rate` continues from (internal)"),
+    Table("league_ratings", LEAGUE_RATINGS, None, ("entrant",), "replace",
+          doc="a league's leaderboard: one row per entrant, on one anchored scale"),
+    Table("league_pairs", LEAGUE_PAIRS, None, ("entrant", "opponent"), "replace",
+          doc="a league's pairs: one row per ordered pair of entrants"),
 ]}
 
 # Delta tables: the ones whose visibility is a commit in a log.

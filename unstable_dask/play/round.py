@@ -28,8 +28,8 @@ from unstable_dask.inference.endpoints import require_keys
 from unstable_dask.inference.weights import resolve_model
 from unstable_dask.lake import Lake
 from unstable_dask.lake.commit import now
-from unstable_dask.play.opponents import Checkpoint, list_checkpoints
-from unstable_dask.play.schedule import check_envs, schedule_round
+from unstable_dask.play.opponents import list_checkpoints
+from unstable_dask.play.schedule import TaskSpec, check_envs, schedule_round
 from unstable_dask.play.task import play_task
 
 PROGRESS_TOPIC = "unstable_dask.progress"
@@ -39,7 +39,7 @@ PROGRESS_TOPIC = "unstable_dask.progress"
 class RoundSummary:
     run_name: str
     round: int
-    checkpoint_uid: str
+    checkpoint_uid: Optional[str]  # None: a league's pass
     games: int
     turns: int
     completion_tokens: int
@@ -79,7 +79,6 @@ def _play_on_worker(task, model_cfg, round_cfg, lake, endpoints):
 
 def play_round(job: Job, client: Optional[Client] = None, console: Optional[Console] = None) -> RoundSummary:
     """Play and commit the next round of `job.run.name`; the Python twin of `run round`."""
-    console = console or Console(stderr=True)
     lake, run_name = Lake(job.run.lake), job.run.name
     check_envs(job)
     with _in_job(job):
@@ -89,10 +88,19 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
     round_ = 0 if last is None else last + 1
     checkpoints = list_checkpoints(lake, run_name)
     current = checkpoints[-1]
+    tasks = schedule_round(job, lake, round_, current, checkpoints)
+    return play_tasks(job, lake, run_name, round_, tasks, current.uid, client, console)
+
+
+def play_tasks(job: Job, lake: Lake, run_name: str, round_: int, tasks: list[TaskSpec], checkpoint_uid: Optional[str],
+               client: Optional[Client] = None, console: Optional[Console] = None) -> RoundSummary:
+    """Play scheduled tasks on the cluster and commit them as round `round_` of `run_name` (a round,
+    or a league's pass: `checkpoint_uid` None)."""
+    console = console or Console(stderr=True)
     # Each attempt writes files of its own; only the attempt named by the commit marker is ever
     # visible, so a concurrent or killed driver can never change a committed round.
     attempt = uuid.uuid4().hex[:8]
-    tasks = [dataclasses.replace(t, attempt=attempt) for t in schedule_round(job, lake, round_, current, checkpoints)]
+    tasks = [dataclasses.replace(t, attempt=attempt) for t in tasks]
     require_keys(job, {s.source or "" for t in tasks for g in t.games for s in g.seats if s.plays == "endpoint"})
     started = now()
     t0 = time.perf_counter()
@@ -101,9 +109,9 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
         if client is None:
             with _in_job(job):
                 client = stack.enter_context(open_client(job.cluster))
-        results = _run_tasks(client, job, lake, tasks, n_games, round_, current, console)
+        results = _run_tasks(client, job, lake, tasks, n_games, round_, checkpoint_uid or run_name, console)
         wall = time.perf_counter() - t0
-        summary = RoundSummary(run_name, round_, current.uid, sum(r["games"] for r in results),
+        summary = RoundSummary(run_name, round_, checkpoint_uid, sum(r["games"] for r in results),
                                sum(r["turns"] for r in results), sum(r["completion_tokens"] for r in results),
                                wall, results, lake.uri)
         # Committed before the cluster we started is torn down: a shutdown that hangs or fails
@@ -131,7 +139,7 @@ def _commit(job: Job, lake: Lake, s: RoundSummary, attempt: str, tasks: int, sta
     lake.remove_other_attempts("rounds", s.run_name, s.round, attempt)
 
 
-def _run_tasks(client: Client, job: Job, lake: Lake, tasks, n_games: int, round_: int, current: Checkpoint,
+def _run_tasks(client: Client, job: Job, lake: Lake, tasks, n_games: int, round_: int, label: str,
                console: Console) -> list[dict]:
     lock = threading.Lock()
     counts = {"games": 0, "tokens": 0}
@@ -139,7 +147,7 @@ def _run_tasks(client: Client, job: Job, lake: Lake, tasks, n_games: int, round_
     with Progress(TextColumn("[bold]round {task.fields[round]}[/bold] {task.fields[ckpt]}"), BarColumn(),
                   MofNCompleteColumn(), TextColumn("games  {task.fields[tps]:.0f} tok/s"), TimeElapsedColumn(),
                   console=console, transient=False) as bar:
-        tid = bar.add_task("play", total=n_games, round=round_, ckpt=current.uid, tps=0.0)
+        tid = bar.add_task("play", total=n_games, round=round_, ckpt=label, tps=0.0)
 
         def on_event(event) -> None:
             _, msg = event

@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Sequence, Union
 
 import numpy as np
 import textarena as ta
 
-from unstable_dask.config import LEGAL_RANDOM_UID, EnvSpec, Job
+from unstable_dask.config import LEGAL_RANDOM_UID, EnvSpec, Job, LeagueGame
 from unstable_dask.errors import JobError
 from unstable_dask.lake import Lake
 from unstable_dask.play.opponents import Checkpoint, OpponentPool, RandomAgent, Seat
@@ -47,7 +48,7 @@ class TaskSpec:
         return f"{self.key}.{self.attempt}"
 
 
-def _seed(*parts: int) -> int:
+def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1, np.uint64)[0] >> 1)
 
 
@@ -55,7 +56,10 @@ def check_envs(job: Job) -> None:
     """Fail before anything is written if an env id is not registered with TextArena."""
     from unstable_dask.play.envs import register_envs
     register_envs()
-    for key, specs in (("round.train_envs", job.round.train_envs), ("round.eval_envs", job.round.eval_envs)):
+    envs: list[tuple[str, Sequence[Union[EnvSpec, LeagueGame]]]] = [
+        ("round.train_envs", job.round.train_envs), ("round.eval_envs", job.round.eval_envs),
+        ("league.games", job.league.games)]
+    for key, specs in envs:
         for i, spec in enumerate(specs):
             if spec.env_id not in ta.envs.registration.ENV_REGISTRY:
                 raise JobError(f"{job.source}: key '{key}[{i}].env_id' has value {spec.env_id!r}: not a registered "
@@ -82,7 +86,7 @@ def schedule_games(job: Job, lake: Lake, round_: int, current: Checkpoint,
                                       ("eval", job.round.eval_games, 1, job.round.eval_envs)):
         # A group is one draw of env, seed, seating and opponents; its games differ only in sampling.
         for i in range(count // size):
-            seed = _seed(job.run.seed, round_, 0 if split == "train" else 1, i)
+            seed = derive_seed(job.run.seed, round_, 0 if split == "train" else 1, i)
             rng = np.random.default_rng(seed)
             spec = _pick_env(specs, job.round.env_sampling == "weighted", rng)
             # The learner's seats rotate with the group index so it plays every position.

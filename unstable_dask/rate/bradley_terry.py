@@ -31,6 +31,7 @@ class BTResult:
     ci_low: np.ndarray  # 2.5th bootstrap percentile (nan when bootstrap = 0)
     ci_high: np.ndarray  # 97.5th bootstrap percentile
     rank: np.ndarray  # 1 + models whose ci_low > this ci_high (point scores when bootstrap = 0)
+    samples: np.ndarray  # (bootstrap, models) Elo-scale scores of the resamples (0 rows when bootstrap = 0)
 
 
 def mle(n_models: int, i: np.ndarray, j: np.ndarray, s: np.ndarray, n: np.ndarray,
@@ -75,13 +76,19 @@ def _cells(pairs: Iterable[tuple[str, str, int, int, int]]) -> tuple[list[str], 
 
 
 def fit(pairs: Iterable[tuple[str, str, int, int, int]], bootstrap: int = 200, seed: int = 0,
-        ridge: float = 0.01) -> BTResult:
-    """Fit BT on pairwise counts (model_a, model_b, wins_a, draws, wins_b), with bootstrap CIs."""
+        ridge: float = 0.01, prior: int = 0) -> BTResult:
+    """Fit BT on pairwise counts (model_a, model_b, wins_a, draws, wins_b), with bootstrap CIs.
+
+    `prior`: virtual wins given to each side of every pair that met, in the fit and the resampling
+    (the league's 1, as in the rule of succession: without it a pair that won its few games every
+    time wins every resample, and would look certain)."""
     models, cells = _cells(pairs)
     if not models:
         empty = np.zeros(0)
-        return BTResult(models=[], score=empty, ci_low=empty, ci_high=empty, rank=np.zeros(0, dtype=np.int64))
+        return BTResult(models=[], score=empty, ci_low=empty, ci_high=empty, rank=np.zeros(0, dtype=np.int64),
+                        samples=np.zeros((0, 0)))
     i, j, counts = cells[:, 0], cells[:, 1], cells[:, 2:].astype(np.float64)
+    counts[:, [0, 2]] += prior
 
     def theta(c: np.ndarray, start: np.ndarray | None = None) -> np.ndarray:
         return mle(len(models), i, j, c[:, 0] + 0.5 * c[:, 1], c.sum(axis=1), ridge, start=start)
@@ -89,6 +96,7 @@ def fit(pairs: Iterable[tuple[str, str, int, int, int]], bootstrap: int = 200, s
     best = theta(counts)
     point = ELO_BASE + ELO_SCALE * best
     lo = hi = np.full(len(models), np.nan)
+    samples = np.zeros((0, len(models)))
     total = int(counts.sum())
     if bootstrap > 0 and total > 0:
         rng = np.random.default_rng(seed)
@@ -99,4 +107,4 @@ def fit(pairs: Iterable[tuple[str, str, int, int, int]], bootstrap: int = 200, s
         lo, hi = np.percentile(samples, 2.5, axis=0), np.percentile(samples, 97.5, axis=0)
     bl, bh = (point, point) if np.isnan(lo).all() else (lo, hi)
     rank = 1 + (bl[None, :] > bh[:, None]).sum(axis=1)
-    return BTResult(models=models, score=point, ci_low=lo, ci_high=hi, rank=rank.astype(np.int64))
+    return BTResult(models=models, score=point, ci_low=lo, ci_high=hi, rank=rank.astype(np.int64), samples=samples)

@@ -3,7 +3,7 @@
 Replay rules (the ratings are a pure function of the lake):
 
 * Order: committed rounds of `job.run.name`, each in (round, game_id) order; seats by pid.
-  Eval games are replayed too unless `[ratings] include_eval = false`.
+  Eval games are replayed too unless `[ratings] include_eval = false` (a league's games always are).
 * Tracks: every game updates two independent TrueSkill tracks, the overall one (env_id '*')
   and the one of its env_id.
 * Outcome: higher final reward = better rank, equal rewards share a rank. A single-player game
@@ -169,7 +169,7 @@ FROM games WHERE run = ? AND round > ? {split} ORDER BY round, game_id"""
 
 
 def _read_games(con, run_name: str, include_eval: bool, after: int) -> pa.Table:
-    sql = _GAMES_SQL.format(split="" if include_eval else "AND split = 'train'")
+    sql = _GAMES_SQL.format(split="" if include_eval else "AND split IN ('train', 'league')")
     return con.sql(sql, params=[run_name, after]).to_arrow_table()
 
 

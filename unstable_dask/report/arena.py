@@ -41,7 +41,11 @@ LEFT JOIN ratings o ON o.run = r.run AND o.env_id = '*' AND o.model_uid = r.mode
 WHERE r.run = $run
 ORDER BY r.env_id, r.conservative DESC, r.model_uid"""
 
-MAX_MATRIX = 25  # models per matrix, by BT score (FastChat's monitor shows 25)
+# What a page shows of a leaderboard, its matrices and maps: the TOP_K best models by conservative
+# rating and the run's NEWEST newest checkpoints, so a page stays small as a run grows (a 200-round
+# run has 200 checkpoints); the lake keeps every row, and each table's note gives the query.
+TOP_K = 10
+NEWEST = 5
 
 
 def _rows(con, sql: str, run_name: str) -> list[dict]:
@@ -69,13 +73,21 @@ def _blues(n: int, most: int) -> str:
     return f"rgb({shade},{min(255, shade + 20)},255)"
 
 
-def matrices(board: list[dict], pairs: list[dict]) -> Optional[dict[str, Any]]:
-    """The win-fraction and battle-count matrices of one env, rows and columns by BT score.
+def shown(board: list[dict], newest: list[str]) -> list[str]:
+    """The models a page shows of one leaderboard (rows best first): its TOP_K first and the
+    `newest` checkpoints on it, in board order."""
+    keep = {r["model_uid"] for r in board[:TOP_K]} | set(newest)
+    return [r["model_uid"] for r in board if r["model_uid"] in keep]
+
+
+def matrices(board: list[dict], pairs: list[dict], models: list[str]) -> Optional[dict[str, Any]]:
+    """The win-fraction and battle-count matrices of one env between `models`, by BT score.
 
     board: that env's leaderboard rows; pairs: that env's PAIRS_SQL rows.
     """
+    keep = set(models)
     rated = sorted((r for r in board if r["bt_score"] is not None), key=lambda r: (-r["bt_score"], r["model_uid"]))
-    models = [r["model_uid"] for r in rated][:MAX_MATRIX]
+    models = [r["model_uid"] for r in rated if r["model_uid"] in keep]
     if len(models) < 2:
         return None
     cell = {(p["model_a"], p["model_b"]): p for p in pairs}
@@ -100,13 +112,19 @@ def games_per_pair(pairs: list[dict]) -> list[dict]:
     return [p for p in pairs if p["model_a"] < p["model_b"]]
 
 
-def views(con, run_name: str) -> tuple[dict[str, list[dict]], dict[str, dict]]:
-    """The leaderboards per env ('*' first) with the Arena columns, and per env its matrices and pairs."""
+def views(con, run_name: str, newest: list[str]) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+    """The leaderboards per env ('*' first) with the Arena columns, and per env the models shown
+    (`shown`, with `newest` the run's newest checkpoints), their matrices and pairs, and how many
+    models and pairs are left out."""
     board_rows, pairs = leaderboard_rows(con, run_name), pair_rows(con, run_name)
     envs = sorted({r["env_id"] for r in board_rows}, key=lambda e: (e != "*", e))
     boards = {e: [r for r in board_rows if r["env_id"] == e] for e in envs}
     arena = {}
     for e in envs:
-        mine = [p for p in pairs if p["env_id"] == e]
-        arena[e] = {"matrix": matrices(boards[e], mine), "pairs": games_per_pair(mine)}
+        models = shown(boards[e], newest)
+        keep = set(models)
+        every = games_per_pair([p for p in pairs if p["env_id"] == e])
+        mine = [p for p in pairs if p["env_id"] == e and p["model_a"] in keep and p["model_b"] in keep]
+        arena[e] = {"shown": models, "omitted": len(boards[e]) - len(models), "matrix": matrices(boards[e], mine, models),
+                    "pairs": games_per_pair(mine), "pairs_omitted": len(every) - len(games_per_pair(mine))}
     return boards, arena

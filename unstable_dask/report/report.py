@@ -1,37 +1,31 @@
 """The report job: a static, offline HTML site per run (reports/<run>/index.html) plus an index.
 
 Everything is read from the lake with SQL (model text is passed as parameters, never spliced into
-SQL) and rendered by jinja2 with autoescape on. Charts are inline SVG built here as numbers
-(coordinates) and drawn by template macros, so every label goes through autoescape as well. The
-only script is static/report.js (table sorting), inlined from the package; no model text is ever
+SQL) and rendered by jinja2 with autoescape on. Charts are Vega-Lite specs (charts.py) carried as
+autoescaped JSON in an HTML attribute and drawn by the page's one script: the Vega bundle followed
+by static/report.js (charts, table sorting), inlined and allowed by hash. No model text is ever
 placed inside a <script> block, and the page loads nothing from the network.
+
+A page stays small as the run grows: leaderboards, matrices and maps show the best and the newest
+models (arena.shown), per-round tables the newest rounds, transcripts the newest and the best
+checkpoints; the charts show every round. The lake keeps everything, a query away.
 """
 from __future__ import annotations
 
-import base64
-import hashlib
 import math
-import os
-import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-import jinja2
 import pyarrow as pa
-from markupsafe import Markup
 
 from unstable_dask.config import LEGAL_RANDOM_UID, Job
 from unstable_dask.lake import Lake
-from unstable_dask.report import arena
+from unstable_dask.report import arena, charts, league, pages
 from unstable_dask.report.timeline import timeline
 
-HERE = Path(__file__).resolve().parent
-PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
-           "#7f7f7f"]
-MAX_SERIES = 12  # lines per chart; the rest are left out (named in the caption)
+TABLE_ROUNDS = 20  # rows of the per-round tables (curves, timeline): the newest rounds
+SAMPLE_MODELS = arena.NEWEST + 1  # transcripts of the newest learner checkpoints and the best-rated one
 SAMPLES_PER_MODEL = 2  # transcript games per checkpoint
-TIMELINE_ROUNDS = 50  # rows of the timeline table: the newest rounds (the report stays small as runs grow)
-MAX_TURN_CHARS = 4000  # long prompts/observations are cut (the lake keeps them whole)
 
 
 # The learning curves, one query over every run (`run report --show-sql` prints it, `run sql` runs
@@ -91,142 +85,63 @@ LEFT JOIN rating_history h ON h.run = w.run AND h.round = w.round AND h.model_ui
 def round_curves(con, run_name: str, round_: Optional[int] = None) -> list[dict]:
     """CURVES_SQL rows of one run (of one round when given), eval rows first within a round."""
     where, params = ("run = ? AND round = ?", [run_name, round_]) if round_ is not None else ("run = ?", [run_name])
-    return _rows(con, f"SELECT * FROM ({CURVES_SQL}) WHERE {where} ORDER BY round, split DESC, opponent", params)
-
-
-def _rows(con, sql: str, params: list) -> list[dict]:
-    return con.sql(sql, params=params).to_arrow_table().to_pylist()
-
-
-def _nice(v: float) -> str:
-    return f"{v:.6g}" if abs(v) < 1e6 else f"{v:.3e}"
-
-
-def _ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[float]:
-    if hi <= lo:
-        return [lo]
-    step = 10 ** math.floor(math.log10((hi - lo) / n))
-    step *= next(m for m in (1, 2, 5, 10) if (hi - lo) / (step * m) <= n)
-    if integer:  # rounds and iterations: no tick at 0.5
-        step = max(step, 1)
-    return [k * step for k in range(math.ceil(lo / step), math.floor(hi / step) + 1)]
-
-
-def line_chart(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str,
-               bands: Optional[dict[str, list[tuple[float, float, float]]]] = None,
-               width: int = 640, height: int = 260, y_range: Optional[tuple[float, float]] = None) -> Optional[dict]:
-    """A line chart as coordinates for the `line_chart` template macro (None without data).
-
-    bands: a shaded (x, low, high) interval per series, shown in each point's tooltip too;
-    y_range: fixed y limits (rates use 0..1, so a flat curve looks flat).
-    """
-    names = [k for k, pts in series.items() if pts][:MAX_SERIES]
-    pts_all = [p for k in names for p in series[k]] + [(x, y) for k in names for x, lo, hi in (bands or {}).get(k, [])
-                                                       for y in (lo, hi)]
-    if not pts_all:
-        return None
-    x0, x1 = min(p[0] for p in pts_all), max(p[0] for p in pts_all)
-    integer_x = all(float(p[0]).is_integer() for p in pts_all)
-    y0, y1 = y_range or (min(p[1] for p in pts_all), max(p[1] for p in pts_all))
-    if x1 == x0:
-        x0, x1 = x0 - 1, x1 + 1
-    if y1 == y0:
-        y0, y1 = y0 - 1, y1 + 1
-    pad = (y1 - y0) * 0.05
-    y0, y1 = y0 - pad, y1 + pad
-    L, R, T, B = 56, 150, 12, 36  # margins: the legend sits on the right
-
-    def sx(x: float) -> float:
-        return round(L + (x - x0) / (x1 - x0) * (width - L - R), 1)
-
-    def sy(y: float) -> float:
-        return round(height - B - (y - y0) / (y1 - y0) * (height - T - B), 1)
-
-    lines = []
-    for k, name in enumerate(names):
-        pts = sorted(series[name])
-        band = sorted((bands or {}).get(name, []))
-        poly = " ".join(f"{sx(x)},{sy(hi)}" for x, _, hi in band) + " " +\
-            " ".join(f"{sx(x)},{sy(lo)}" for x, lo, _ in reversed(band))
-        ci = {x: f" (95% CI {_nice(lo)} .. {_nice(hi)})" for x, lo, hi in band}
-        lines.append({"name": name, "color": PALETTE[k % len(PALETTE)], "path": " ".join(f"{sx(x)},{sy(y)}" for x, y in pts),
-                      "dots": [(sx(x), sy(y), _nice(x), _nice(y) + ci.get(x, "")) for x, y in pts], "band": poly.strip(),
-                      "legend_y": T + 14 * k + 8})
-    return {"width": width, "height": height, "lines": lines, "xlabel": xlabel, "ylabel": ylabel,
-            "left": L, "right": width - R, "top": T, "bottom": height - B,
-            "xticks": [(sx(t), _nice(t)) for t in _ticks(x0, x1, integer=integer_x)],
-            "yticks": [(sy(t), _nice(t)) for t in _ticks(y0, y1)],
-            "omitted": [k for k, pts in series.items() if pts][MAX_SERIES:]}
-
-
-def heatmap(h2h: list[dict]) -> Optional[dict]:
-    """Win rate of the row model against the column model, as cells for the `heatmap` macro."""
-    models = sorted({r["model_a"] for r in h2h})
-    if not models:
-        return None
-    cell, left, top = 34, 170, 12
-    ix = {m: k for k, m in enumerate(models)}
-    cells = []
-    for r in h2h:
-        w = r["win_rate_a"]
-        cells.append({"x": left + ix[r["model_b"]] * cell, "y": top + ix[r["model_a"]] * cell, "color": arena.rdbu(w),
-                      "text": f"{w:.2f}", "a": r["model_a"], "b": r["model_b"], "games": r["games"]})
-    n = len(models)
-    return {"cells": cells, "size": cell, "width": left + n * cell + 10, "height": top + n * cell + 150,
-            "rows": [(m, top + k * cell + cell / 2) for k, m in enumerate(models)],
-            "cols": [(m, left + k * cell + cell / 2, top + n * cell + 6) for k, m in enumerate(models)]}
-
-
-def _bt_bars(rows: list[dict]) -> None:
-    """Add x positions (0..100) of each row's BT CI bar, on one scale per leaderboard."""
-    vals = [v for r in rows for v in (r["bt_ci_low"], r["bt_ci_high"], r["bt_score"]) if v is not None]
-    lo, hi = (min(vals), max(vals)) if vals else (0.0, 1.0)
-    span = (hi - lo) or 1.0
-    for r in rows:
-        pos = {k: None if r[k] is None else round(4 + 92 * (r[k] - lo) / span, 1) for k in ("bt_score", "bt_ci_low", "bt_ci_high")}
-        r["bar"] = pos if pos["bt_score"] is not None else None
-
-
-def _table_exists(con, name: str) -> bool:
-    return bool(con.sql("SELECT count(*) FROM duckdb_views() WHERE view_name = ?", params=[name]).fetchall()[0][0])
+    return pages.rows(con, f"SELECT * FROM ({CURVES_SQL}) WHERE {where} ORDER BY round, split DESC, opponent", params)
 
 
 def gather(lake: Lake, run_name: str) -> dict[str, Any]:
-    """Everything the run page shows, as plain Python values."""
+    """Everything the run page shows, as plain Python values and chart specs."""
     con = lake.connect()
     try:
-        boards, arena_views = arena.views(con, run_name)  # ratings rows + Arena columns, per env
-        history = _rows(con, "SELECT * EXCLUDE (run) FROM rating_history WHERE run = ? ORDER BY round, model_uid", [run_name])
-        h2h = _rows(con, "SELECT * EXCLUDE (run) FROM head_to_head WHERE run = ? AND env_id = '*' "
-                    "ORDER BY model_a, model_b", [run_name])
-        ckpts = _rows(con, "SELECT uid, parent_uid, iteration FROM checkpoints WHERE run = ? ORDER BY iteration, uid", [run_name])
+        ckpts = pages.rows(con, "SELECT uid, parent_uid, iteration FROM checkpoints WHERE run = ? ORDER BY iteration, uid", [run_name])
+        newest = [c["uid"] for c in ckpts][-arena.NEWEST:]
+        boards, arena_views = arena.views(con, run_name, newest)  # ratings rows + Arena columns, per env
+        overall = arena_views.get("*", {}).get("shown", [])
+        history = pages.rows(con, "SELECT round, model_uid, mu, sigma FROM rating_history WHERE run = ? AND env_id = '*' "
+                        "AND list_contains(?, model_uid) ORDER BY round, model_uid", [run_name, overall])
+        h2h = pages.rows(con, "SELECT model_a, model_b, win_rate_a, games FROM head_to_head WHERE run = ? AND env_id = '*' "
+                    "AND list_contains(?, model_a) AND list_contains(?, model_b)", [run_name, overall, overall])
         curves = round_curves(con, run_name)
-        per_env = _rows(con, """
+        per_env = pages.rows(con, """
             SELECT g.env_id, g.split, count(DISTINCT g.game_id) AS games, avg(g.num_turns) AS game_length,
                    avg((s.reward > 0)::DOUBLE) AS learner_win_rate
             FROM games g LEFT JOIN seats s ON s.game_id = g.game_id AND s.run = g.run AND s.is_learner
             WHERE g.run = ? GROUP BY ALL ORDER BY g.env_id, g.split""", [run_name])
         learner = _learner(con, run_name)
-        samples = _samples(con, run_name)
+        samples = _samples(con, run_name, newest, overall)
         busy = timeline(con, run_name)
     finally:
         con.close()
-    envs = list(boards)
-    for rows in boards.values():
-        _bt_bars(rows)
-    overall = [h for h in history if h["env_id"] == "*"]
-    hist_chart = line_chart({m: [(h["round"], h["mu"]) for h in overall if h["model_uid"] == m]
-                             for m in dict.fromkeys(h["model_uid"] for h in overall)}, "round", "mu",
-                            bands={m: [(h["round"], h["mu"] - h["sigma"], h["mu"] + h["sigma"]) for h in overall
-                                       if h["model_uid"] == m] for m in dict.fromkeys(h["model_uid"] for h in overall)})
     rated = {r["model_uid"]: r for r in boards.get("*", [])}
+    hist_chart = charts.line({m: [(h["round"], h["mu"]) for h in history if h["model_uid"] == m] for m in overall},
+                             "round", "mu", bands={m: [(h["round"], h["mu"] - h["sigma"], h["mu"] + h["sigma"])
+                                                       for h in history if h["model_uid"] == m] for m in overall},
+                             band="mu ± sigma", width=560)
     ck_pts = [(c["iteration"], rated[c["uid"]]) for c in ckpts if c["uid"] in rated]
-    ckpt_chart = line_chart({"mu": [(i, r["mu"]) for i, r in ck_pts], "conservative": [(i, r["conservative"]) for i, r in ck_pts]},
-                            "checkpoint iteration", "rating", bands={"mu": [(i, r["mu"] - 3 * r["sigma"], r["mu"] + 3 * r["sigma"])
-                                                                            for i, r in ck_pts]})
-    return {"run": run_name, "envs": envs, "boards": boards, "hist_chart": hist_chart, "ckpt_chart": ckpt_chart,
-            "heatmap": heatmap(h2h), "arena": arena_views, "curves": curves, "curve_charts": curve_charts(curves), "per_env": per_env,
-            "learner": learner, "samples": samples, "checkpoints": ckpts, "timeline": busy[-TIMELINE_ROUNDS:]}
+    ckpt_chart = charts.line({"mu": [(i, r["mu"]) for i, r in ck_pts], "conservative": [(i, r["conservative"]) for i, r in ck_pts]},
+                             "checkpoint iteration", "rating", band="mu ± 3 sigma", width=560,
+                             bands={"mu": [(i, r["mu"] - 3 * r["sigma"], r["mu"] + 3 * r["sigma"]) for i, r in ck_pts]})
+    envs = list(boards)
+    tables = {e: [r for r in boards[e] if r["model_uid"] in set(arena_views[e]["shown"])] for e in envs}
+    return {"run": run_name, "envs": envs, "boards": tables, "arena": arena_views,
+            "bt_charts": {e: bt_chart(rows) for e, rows in tables.items()},
+            "hist_chart": hist_chart, "ckpt_chart": ckpt_chart,
+            "heatmap": charts.heatmap([{"a": r["model_a"], "b": r["model_b"], "w": r["win_rate_a"], "games": r["games"]}
+                                       for r in h2h], overall, "win rate (draws half)"),
+            "curves": curves, "curve_rows": _newest(curves), "curve_charts": curve_charts(curves), "per_env": per_env,
+            "learner": learner, "samples": samples, "checkpoints": ckpts,
+            "timeline": _newest(busy), "timeline_charts": timeline_charts(busy), "table_rounds": TABLE_ROUNDS}
+
+
+def _newest(rows: list[dict]) -> list[dict]:
+    """The rows of the newest TABLE_ROUNDS rounds (rows in round order)."""
+    keep = sorted({r["round"] for r in rows})[-TABLE_ROUNDS:]
+    return [r for r in rows if keep and r["round"] >= keep[0]]
+
+
+def bt_chart(board: list[dict]) -> Optional[dict]:
+    """Bradley-Terry scores with their bootstrap 95% CIs, as interval bars in leaderboard order."""
+    return charts.intervals([{"model": r["model_uid"], "score": r["bt_score"], "low": r["bt_ci_low"], "high": r["bt_ci_high"]}
+                             for r in board], "BT score")
 
 
 def curve_charts(curves: list[dict]) -> dict[str, Optional[dict]]:
@@ -243,31 +158,46 @@ def curve_charts(curves: list[dict]) -> dict[str, Optional[dict]]:
     vs = {o: [r for r in curves if r["split"] == "eval" and r["opponent"] == o] for o in opponents}
     # round.eval_baseline: legal-random on the same eval games, the bar a learning claim must clear
     base = {o: [r for r in curves if r["split"] == "baseline" and r["opponent"] == o] for o in opponents}
-
-    def name(opponent: str) -> str:
-        return "single-player" if opponent == "solo" else f"vs {opponent}"
-
     rated = [r for r in every["eval"] or every["train"] if r["mu"] is not None]
-    def chart(series: dict, ylabel: str, **kw) -> Optional[dict]:  # two charts side by side on a page
-        return line_chart(series, "round", ylabel, width=560, height=240, **kw)
-
+    wins = {vs_name(o): pts(rows, "win_rate") for o, rows in vs.items()} | \
+        {f"{LEGAL_RANDOM_UID} {vs_name(o)}": pts(rows, "win_rate") for o, rows in base.items() if rows}
+    win_ci = {vs_name(o): ci(rows, "win_rate") for o, rows in vs.items()} | \
+        {f"{LEGAL_RANDOM_UID} {vs_name(o)}": ci(rows, "win_rate") for o, rows in base.items() if rows}
     return {
         "Eval win rate against each fixed opponent (draws half), Wilson 95% CI":
-            chart({name(o): pts(rows, "win_rate") for o, rows in vs.items()}
-                  | {f"{LEGAL_RANDOM_UID} {name(o)}": pts(rows, "win_rate") for o, rows in base.items() if rows},
-                  "win rate", bands={name(o): ci(rows, "win_rate") for o, rows in vs.items()}
-                  | {f"{LEGAL_RANDOM_UID} {name(o)}": ci(rows, "win_rate") for o, rows in base.items() if rows},
-                  y_range=(0, 1)),
+            charts.line(wins, "round", "win rate", bands=win_ci, y_range=(0, 1)),
         "Invalid-move rate of the learner's turns, Wilson 95% CI":
-            chart({sp: pts(rows, "invalid_rate") for sp, rows in every.items()}, "invalid-move rate",
-                  bands={sp: ci(rows, "invalid_rate") for sp, rows in every.items()}, y_range=(0, 1)),
+            charts.line({sp: pts(rows, "invalid_rate") for sp, rows in every.items()}, "round", "invalid-move rate",
+                        bands={sp: ci(rows, "invalid_rate") for sp, rows in every.items()}, y_range=(0, 1)),
         "Format success (a \\boxed{} answer) of the learner's turns":
-            chart({sp: pts(rows, "format_success") for sp, rows in every.items()}, "format success", y_range=(0, 1)),
+            charts.line({sp: pts(rows, "format_success") for sp, rows in every.items()}, "round", "format success", y_range=(0, 1)),
         "Mean completion length of the learner's turns (tokens)":
-            chart({sp: pts(rows, "mean_completion_tokens") for sp, rows in every.items()}, "tokens"),
+            charts.line({sp: pts(rows, "mean_completion_tokens") for sp, rows in every.items()}, "round", "tokens"),
         "TrueSkill of the checkpoint that played the round (mu ± 3 sigma; conservative = mu − 3 sigma)":
-            chart({"mu": [(r["round"], r["mu"]) for r in rated], "conservative": [(r["round"], r["conservative"]) for r in rated]},
-                  "TrueSkill", bands={"mu": [(r["round"], r["mu"] - 3 * r["sigma"], r["mu"] + 3 * r["sigma"]) for r in rated]}),
+            charts.line({"mu": [(r["round"], r["mu"]) for r in rated], "conservative": [(r["round"], r["conservative"]) for r in rated]},
+                        "round", "TrueSkill", band="mu ± 3 sigma",
+                        bands={"mu": [(r["round"], r["mu"] - 3 * r["sigma"], r["mu"] + 3 * r["sigma"]) for r in rated]}),
+    }
+
+
+def vs_name(opponent: str) -> str:
+    """A curve's name for the opponent column of CURVES_SQL."""
+    return "single-player" if opponent == "solo" else f"vs {opponent}"
+
+
+def timeline_charts(busy: list[dict]) -> dict[str, Optional[dict]]:
+    """Where the hardware waits (timeline rows), per round: each worker's busy share, and the seconds
+    of the round, of the learner inside it and of the gap after it."""
+    workers = sorted({w for t in busy for w in t["workers"]})
+    return {
+        "Busy share of each worker's round (the union of its games over the round's wall time)":
+            charts.line({w: [(t["round"], t["workers"][w]) for t in busy if w in t["workers"]] for w in workers},
+                        "round", "busy share", y_range=(0, 1)),
+        "Seconds per round: its wall time, the learner's busy time inside it, the gap after it and the learner's time there":
+            charts.line({"round wall": [(t["round"], t["wall_s"]) for t in busy],
+                         "learner in round": [(t["round"], t["learner_in_round_s"]) for t in busy],
+                         "gap": [(t["round"], t["gap_s"]) for t in busy],
+                         "learner in gap": [(t["round"], t["learner_in_gap_s"]) for t in busy]}, "round", "seconds"),
     }
 
 
@@ -282,93 +212,79 @@ def learner_columns(con) -> list[str]:
             and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))]
 
 
-def _learner(con, run_name: str) -> dict[str, dict]:
-    """One chart per numeric learner_steps column, averaged per iteration."""
+def _learner(con, run_name: str) -> Optional[dict]:
+    """Small multiples of the numeric learner_steps columns, averaged per iteration."""
     cols = learner_columns(con)
     if not cols:
-        return {}
+        return None
     # Column names come from the lake's own schema, quoted as identifiers; values stay parameters.
     avgs = ", ".join(f'avg("{c}") AS "{c}"' for c in (c.replace('"', '""') for c in cols))
-    rows = _rows(con, f"SELECT iteration, {avgs} FROM learner_steps WHERE run = ? GROUP BY iteration ORDER BY iteration", [run_name])
-    charts = {}
-    for c in cols:
-        pts = [(r["iteration"], r[c]) for r in rows if r[c] is not None and math.isfinite(r[c])]
-        chart = line_chart({c: pts}, "iteration", c, width=420, height=200) if pts else None
-        if chart is not None:
-            charts[c] = chart
-    return charts
+    rows = pages.rows(con, f"SELECT iteration, {avgs} FROM learner_steps WHERE run = ? GROUP BY iteration ORDER BY iteration", [run_name])
+    drawn = [c for c in cols if any(r[c] is not None and math.isfinite(r[c]) for r in rows)]
+    return charts.facets(rows, "iteration", drawn)
 
 
-def _samples(con, run_name: str) -> list[dict]:
-    """A few games per learner model (first by round, game_id), with their turns."""
-    models = [r["model_uid"] for r in _rows(con, "SELECT DISTINCT model_uid FROM turns WHERE run = ? AND is_learner "
-                                           "ORDER BY model_uid", [run_name])]
+def _samples(con, run_name: str, newest: list[str], best: list[str]) -> list[dict]:
+    """A few games (first by round, game_id) of the newest learner checkpoints and the best-rated
+    learner models, SAMPLE_MODELS in all, with their turns."""
+    learners = {r["model_uid"] for r in pages.rows(con, "SELECT DISTINCT model_uid FROM turns WHERE run = ? AND is_learner", [run_name])}
+    models = [m for m in dict.fromkeys([*reversed(newest), *best]) if m in learners][:SAMPLE_MODELS]
     out = []
     for m in models:
-        games = _rows(con, """SELECT game_id, round, env_id, split, seats FROM games WHERE run = ? AND game_id IN
+        games = pages.rows(con, """SELECT game_id, round, env_id, split, seats FROM games WHERE run = ? AND game_id IN
                                   (SELECT game_id FROM turns WHERE run = ? AND model_uid = ? AND is_learner)
                               ORDER BY round, game_id LIMIT ?""", [run_name, run_name, m, SAMPLES_PER_MODEL])
+        by_game = pages.turns(con, run_name, [g["game_id"] for g in games])
         for g in games:
-            g["turns"] = _rows(con, """SELECT turn, pid, model_uid, observation, prompt, completion, action, format_ok,
-                                              invalid_move FROM turns WHERE run = ? AND game_id = ? ORDER BY turn""",
-                               [run_name, g["game_id"]])
-            for t in g["turns"]:
-                for k in ("observation", "prompt", "completion"):
-                    if t[k] is not None and len(t[k]) > MAX_TURN_CHARS:
-                        t[k] = t[k][:MAX_TURN_CHARS] + f"\n... [{len(t[k]) - MAX_TURN_CHARS} more characters]"
+            g["turns"] = by_game[g["game_id"]]
         out.append({"model": m, "games": games})
     return out
 
 
-def _env() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
-                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters["num"] = lambda v, fmt="{:.2f}": "" if v is None else fmt.format(v)
-    # Our own static files (not data) are inlined so the page works from file:// with no requests.
-    static = {p.name: Markup(p.read_text(encoding="utf-8")) for p in sorted((HERE / "static").iterdir()) if p.is_file()}
-    env.globals["static"] = static
-    # The Content-Security-Policy allows exactly our script (by hash): even if escaping ever failed,
-    # an injected <script> or on* attribute would not run.
-    digest = hashlib.sha256(str(static["report.js"]).encode("utf-8")).digest()
-    env.globals["script_hash"] = "sha256-" + base64.b64encode(digest).decode("ascii")
-    return env
-
-
-def svg_document(chart: dict, title: str) -> str:
-    """A `line_chart` as a standalone SVG file (for README / BENCHMARKS), styled like the report."""
-    css = "\n".join(line for line in (HERE / "static" / "report.css").read_text(encoding="utf-8").splitlines()
-                    if line.startswith("svg "))
-    macros: Any = _env().get_template("macros.j2").module
-    return str(macros.line_svg(chart, title, "svg { font-family: system-ui, sans-serif; }\n" + css)).strip() + "\n"
-
-
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def report(job: Job) -> Path:
-    """Write reports/<run>/index.html for job.run.name and refresh reports/index.html; return the page."""
+    """Write reports/<run>/index.html for job.run.name, the job's league's pages when the lake has
+    its ratings (reports/<league>/), and refresh reports/index.html; return the run's page."""
     lake, root, run_name = Lake(job.run.lake), Path(job.run.reports), job.run.name
-    env = _env()
+    env = pages.env()
     page = root / run_name / "index.html"
-    _write(page, env.get_template("run.html.j2").render(**gather(lake, run_name)))
-    runs = []
-    for d in sorted(p.parent for p in root.glob("*/index.html")):
-        runs.append({"name": d.name, "href": f"{d.name}/index.html", **_summary(lake, d.name)})
-    _write(root / "index.html", env.get_template("index.html.j2").render(runs=runs))
+    pages.write(page, env.get_template("run.html.j2").render(**gather(lake, run_name)))
+    con = lake.connect()
+    try:
+        rated = set(league.leagues(con))
+    finally:
+        con.close()
+    if job.league_name in rated:
+        league.write(lake, job.league_name, root)
+    names = [p.parent.name for p in sorted(root.glob("*/index.html"))]
+    pages.write(root / "index.html", env.get_template("index.html.j2").render(
+        **runs_index(lake, [n for n in names if n not in rated]), leagues=[n for n in names if n in rated]))
     return page
 
 
-def _summary(lake: Lake, run_name: str) -> dict[str, Any]:
+def runs_index(lake: Lake, names: list[str]) -> dict[str, Any]:
+    """The index page: per run its rounds, games, best model and best checkpoint in any league of
+    the lake, and the runs' eval curves overlaid."""
     con = lake.connect()
     try:
-        rounds, games = con.sql("SELECT count(DISTINCT round), coalesce(sum(games), 0) FROM rounds WHERE run = ?",
-                                params=[run_name]).fetchall()[0]
-        top = _rows(con, "SELECT model_uid, conservative FROM ratings WHERE run = ? AND env_id = '*' "
-                    "ORDER BY conservative DESC, model_uid LIMIT 1", [run_name])
+        runs = pages.rows(con, """
+            WITH r AS (SELECT run, count(DISTINCT round) AS rounds, coalesce(sum(games), 0) AS games FROM rounds GROUP BY run),
+            t AS (SELECT run, model_uid AS top, conservative AS top_conservative FROM ratings WHERE env_id = '*'
+                  QUALIFY row_number() OVER (PARTITION BY run ORDER BY conservative DESC, model_uid) = 1),
+            l AS (SELECT source_run AS run, run AS league, checkpoint AS league_best, rating AS league_rating,
+                         rating_low AS league_low, rating_high AS league_high FROM league_ratings WHERE kind = 'checkpoint'
+                  QUALIFY row_number() OVER (PARTITION BY source_run ORDER BY rating DESC, run, checkpoint) = 1)
+            SELECT n.run AS name, coalesce(r.rounds, 0) AS rounds, coalesce(r.games, 0) AS games, t.top, t.top_conservative,
+                   l.league, l.league_best, l.league_rating, l.league_low, l.league_high
+            FROM unnest(?::VARCHAR[]) n(run) LEFT JOIN r USING (run) LEFT JOIN t USING (run) LEFT JOIN l USING (run)
+            ORDER BY n.run""", [names])
+        evals = pages.rows(con, f"""SELECT run, round, opponent, win_rate, win_rate_low, win_rate_high FROM ({CURVES_SQL})
+                               WHERE split = 'eval' AND opponent NOT IN ('*', 'self') AND list_contains(?, run)
+                               ORDER BY run, opponent, round""", [names])
     finally:
         con.close()
-    return {"rounds": rounds, "games": games, "top": top[0] if top else None}
+    series = {(e["run"], e["opponent"]): f"{e['run']} {vs_name(e['opponent'])}" for e in evals}
+    chart = charts.line({s: [(e["round"], e["win_rate"]) for e in evals if (e["run"], e["opponent"]) == k] for k, s in series.items()},
+                        "round", "eval win rate", y_range=(0, 1), width=640,
+                        bands={s: [(e["round"], e["win_rate_low"], e["win_rate_high"]) for e in evals
+                                   if (e["run"], e["opponent"]) == k] for k, s in series.items()})
+    return {"runs": runs, "compare": chart}

@@ -1,6 +1,16 @@
-// Sortable tables: click a header to sort by that column (numbers use the cell's data-v).
+// The page's charts and sortable tables; it runs after the Vega bundle, in the same script element.
 (function () {
   "use strict";
+  // Charts: each div.vl holds a Vega-Lite spec as JSON in data-spec (data only: model text is never
+  // code). ast: Vega's expression interpreter, so the page's CSP needs no 'unsafe-eval'.
+  var charts = Array.prototype.map.call(document.querySelectorAll("div.vl"), function (el) {
+    var spec = JSON.parse(el.getAttribute("data-spec"));
+    return vegaEmbed(el, spec, {mode: "vega-lite", renderer: "svg", actions: false, ast: true})
+      .catch(function (e) { console.error("chart: " + e); });
+  });
+  Promise.all(charts).then(function () { document.body.setAttribute("data-charts", "drawn"); });
+
+  // Sortable tables: click a header to sort by that column (numbers use the cell's data-v).
   function key(cell, numeric) {
     var raw = cell.hasAttribute("data-v") ? cell.getAttribute("data-v") : cell.textContent.trim();
     if (!numeric) return raw.toLowerCase();
