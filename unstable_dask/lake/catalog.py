@@ -86,7 +86,7 @@ TURNS = pa.schema([
 
 ROUNDS = pa.schema([
     _f("attempt", pa.string(), "the driver attempt whose files are the round's data"),
-    _f("checkpoint_uid", pa.string(), "the checkpoint this round played"),
+    _f("checkpoint_uid", pa.string(), "the checkpoint this round played (null: a league's pass)"),
     _f("games", pa.int64()), _f("turns", pa.int64()), _f("tasks", pa.int64()), _f("completion_tokens", pa.int64()),
     _f("temperature", pa.float64(), "sampling settings the games were played with (null: not recorded)"),
     _f("top_p", pa.float64()),
