@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
@@ -227,6 +228,8 @@ def league(job: Job, client=None, console: Optional[Console] = None) -> LeagueRe
             rated = rate_league(job)
             step = plan_pass(job, Lake(job.run.lake))
             if not step.games:
+                report.report(job)  # writes reports/<league>/ beside the run's page
+                console.print(f"league report: {Path(job.run.reports) / name / 'index.html'}", highlight=False)
                 return LeagueResult(name, step.reason, rated, step.played, passes)
             if client is None:
                 client = stack.enter_context(open_client(job.cluster))

@@ -86,7 +86,7 @@ TURNS = pa.schema([
 
 ROUNDS = pa.schema([
     _f("attempt", pa.string(), "the driver attempt whose files are the round's data"),
-    _f("checkpoint_uid", pa.string(), "the checkpoint this round played"),
+    _f("checkpoint_uid", pa.string(), "the checkpoint this round played (null: a league's pass)"),
     _f("games", pa.int64(), "rows of `games` this commit made visible (counted by the commit; every reader checks them)"),
     _f("turns", pa.int64(), "rows of `turns` this commit made visible (likewise)"),
     _f("tasks", pa.int64()), _f("completion_tokens", pa.int64()),

@@ -42,7 +42,8 @@ def mle(n_models: int, i: np.ndarray, j: np.ndarray, s: np.ndarray, n: np.ndarra
     """
     theta = np.zeros(n_models) if start is None else start.copy()
     for _ in range(max_iter):
-        p = 1.0 / (1.0 + np.exp(theta[j] - theta[i]))
+        # clipped: a resample where a model only ever wins can send a Newton step far out (exp overflows)
+        p = 1.0 / (1.0 + np.exp(np.clip(theta[j] - theta[i], -700.0, 700.0)))
         r = s - n * p  # d loglik / d theta_i for each cell
         grad = np.bincount(i, r, n_models) - np.bincount(j, r, n_models) - ridge * theta
         wgt = n * p * (1.0 - p)
