@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from unstable_dask.config import ModelConfig
+from unstable_dask.errors import JobError
 from unstable_dask.inference.engine import Adapter, encode_prompts, get_engine, prompt_budget
 
 import logprob_check
@@ -145,7 +146,7 @@ def test_lora_adapters_hot_swap(engine, adapters):
     assert texts(swapped) == out_b and {g.adapter_path for g in swapped} == {b.path}
     assert {g.adapter_path for g in engine.generate(ps)} == {None}
     assert len(engine.hf.adapters) == 2 and len(engine.hf.model.peft_config) == 2
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(JobError, match="'ghost': no folder at /nonexistent"):
         engine.generate(ps, adapter=Adapter("ghost", "/nonexistent"))
 
 

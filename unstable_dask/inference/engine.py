@@ -111,6 +111,9 @@ def check_adapter(adapter: Adapter) -> None:
     weights themselves are checked against the commit's sha256 where one is recorded)."""
     from safetensors import safe_open
     path = Path(adapter.path)
+    if not path.is_dir():
+        raise JobError(f"adapter {adapter.name!r}: no folder at {adapter.path}; was it removed (`run vacuum` keeps "
+                       f"only adapters a checkpoint names), or is this machine missing the lake's adapters?")
     try:
         json.loads((path / "adapter_config.json").read_text())
         with safe_open(str(path / "adapter_model.safetensors"), "np"):
