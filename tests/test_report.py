@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import html as html_lib
 import json
+import math
 import os
 import re
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -258,11 +260,15 @@ def test_learning_curves_show_the_lakes_numbers(tmp_path: Path, local_client) ->
     from unstable_dask.report.timeline import timeline
     con = Lake(job.run.lake).connect()
     busy = timeline(con, job.run.name)
-    steps = con.sql("SELECT sum(step_time_s) FROM learner_steps").fetchall()[0][0]
+    steps, n_steps = con.sql("SELECT sum(step_time_s), count(*) FROM learner_steps").fetchall()[0]
     con.close()
     assert [t["round"] for t in busy] == [0, 1]
     assert all(0 < f <= 1 for t in busy for f in t["workers"].values())
-    assert busy[0]["learner_in_round_s"] == 0 and busy[0]["learner_in_gap_s"] == pytest.approx(steps, rel=1e-6)
+    # The learner's interval is (created_at - step_time_s, created_at) in epoch seconds: each end is
+    # rounded to a float64 ulp of ~1.8e9 s (2.4e-7 s), so its length is exact to two of them, not
+    # to a relative 1e-6 of a 0.05 s step (a CI run differed by 6.2e-8).
+    assert busy[0]["learner_in_round_s"] == 0
+    assert busy[0]["learner_in_gap_s"] == pytest.approx(steps, rel=0, abs=2 * n_steps * math.ulp(time.time()))
     html = page.read_text()
     section = html[html.index('id="timeline"'):]
     assert section[:section.index("</section>")].count("<tr><td>") == 2

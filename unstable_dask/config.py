@@ -235,10 +235,18 @@ class OpponentConfig(_Strict):
     # TrueSkill match quality; win-rate: one past checkpoint until the learner wins more than
     # `win_rate_threshold` of its last `win_rate_games` train games against it (UnstableBaselines).
     strategy: OpponentStrategy = "mirror"
-    fixed: list[str] = Field(["random"], min_length=1)
+    fixed: list[str] = ["random"]
     lag: int = Field(5, gt=0)
     win_rate_threshold: float = Field(0.7, ge=0.0, le=1.0)
     win_rate_games: int = Field(100, gt=0)
+
+    @model_validator(mode="after")
+    def _someone_to_play(self) -> "OpponentConfig":
+        # Empty is a choice for strategies that also play checkpoints (match-quality: checkpoints
+        # only); for "fixed" it leaves the learner nobody to play.
+        if self.strategy == "fixed" and not self.fixed:
+            raise ValueError("fixed: strategy 'fixed' needs at least one opponent in round.opponents.fixed")
+        return self
 
 
 class RoundConfig(_Strict):
@@ -260,6 +268,14 @@ class RoundConfig(_Strict):
     train_envs: list[EnvSpec] = [EnvSpec(env_id="SimpleTak-v0-train")]
     eval_envs: list[EnvSpec] = [EnvSpec(env_id="KuhnPoker-v0-train", num_actors=1, opponents=["random"])]
     opponents: OpponentConfig = OpponentConfig()
+
+    @model_validator(mode="after")
+    def _eval_opponents(self) -> "RoundConfig":
+        # An eval env without its own opponents plays round.opponents.fixed (play/schedule.py)
+        if self.eval_games and not self.opponents.fixed and any(e.opponents is None for e in self.eval_envs):
+            raise ValueError("eval_envs without their own `opponents` play round.opponents.fixed, which is "
+                             "empty: name the eval opponents")
+        return self
 
     @model_validator(mode="after")
     def _games_cap(self) -> "RoundConfig":

@@ -269,7 +269,8 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
                 con.close()
             served = served_weights(job, p, batch)  # before the update: rows of other weights are never trained on
             seed = p.seeds.get(u, batch_seed(job, p.iteration, u))
-            m = trainer.update(batch, seed)
+            # The first update starts from the parent's weights: rows it played must match the engine.
+            m = trainer.update(batch, seed, guard_uid=p.parent_uid if u == 0 else None)
             check_finite_update(job, p, m, trainer)
             m.update(update=u, algorithm=job.learn.algorithm, checkpoint_uid=p.uid, batch_seed=seed, **served,
                      rounds=p.rounds, device=device, created_at=now(),

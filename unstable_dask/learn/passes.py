@@ -134,30 +134,34 @@ class Mismatch:
     cap: float
     gaps: list = field(default_factory=list)  # |log pi_old - log pi_b| on tokens with pi_b
     raw: list = field(default_factory=list)  # untruncated weights pi_old / pi_b
+    fresh_gaps: list = field(default_factory=list)  # the same on rows of Batch.fresh (the guard's)
     outside: int = 0  # tokens with pi_old = 0 (outside the learner's nucleus)
     tokens: int = 0
     entropy_sum: float = 0.0
 
     def weights(self, old: "torch.Tensor", behaviour: "torch.Tensor", known: "torch.Tensor",
-                mask: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+                mask: "torch.Tensor", fresh: Optional["torch.Tensor"] = None) -> tuple["torch.Tensor", "torch.Tensor"]:
         """(weights, kept mask) [b, W] for one micro-batch, recording its mismatch. Rows without
-        known behaviour log-probs (`known` [b] False) get weight 1."""
+        known behaviour log-probs (`known` [b] False) get weight 1; `fresh` [b]: rows whose gap
+        the guard reads (Batch.fresh)."""
         import torch
         on = mask.bool() & known.unsqueeze(-1)
         log_ratio = (old - behaviour).clamp(-20.0, 20.0)  # verl clamps the same way before exp
         ratio = torch.where(on, log_ratio.exp(), torch.ones_like(old)).detach()
         self.gaps.append((old - behaviour)[on].abs().detach().cpu())
+        if fresh is not None:
+            self.fresh_gaps.append((old - behaviour)[on & fresh.to(on.device).unsqueeze(-1)].abs().detach().cpu())
         self.raw.append(ratio[on].cpu())
         self.outside += int(((old <= LOGP_FLOOR) & mask.bool()).sum())
         self.tokens += int(mask.sum())
         return self._bound(ratio, mask)
 
     def sequence_weights(self, old: "torch.Tensor", behaviour: "torch.Tensor", known: "torch.Tensor",
-                         mask: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+                         mask: "torch.Tensor", fresh: Optional["torch.Tensor"] = None) -> tuple["torch.Tensor", "torch.Tensor"]:
         """(weights, kept) [b] per sequence (GSPO): the geometric mean of its tokens' ratios, bounded
         as the token weights are."""
         import torch
-        self.weights(old, behaviour, known, mask)  # the token-level record, for the metrics
+        self.weights(old, behaviour, known, mask, fresh)  # the token-level record, for the metrics
         n = mask.sum(-1).clamp(min=1)
         log_ratio = ((old - behaviour).clamp(-20.0, 20.0) * mask).sum(-1) / n
         ratio = torch.where(known, log_ratio.exp(), torch.ones_like(log_ratio)).detach()
@@ -186,6 +190,12 @@ class Mismatch:
                 lp = sampling_logprobs(logits[i][at], temperature[i], top_p[i])
                 p = lp.exp()
                 self.entropy_sum += float(-(torch.where(p > 0, p * lp, torch.zeros_like(lp))).sum())
+
+    def fresh_gap(self) -> Optional[float]:
+        """Mean |log pi_old - log pi_b| over the tokens of Batch.fresh rows (None: none)."""
+        import torch
+        gaps = torch.cat(self.fresh_gaps) if self.fresh_gaps else torch.zeros(0)
+        return float(gaps.mean()) if len(gaps) else None
 
     def metrics(self) -> dict:
         import torch

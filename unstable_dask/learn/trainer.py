@@ -126,7 +126,7 @@ class Trainer:
                 self.critic_optimizer.load_state_dict(torch.load(cdir / "critic_optimizer.pt", map_location=device))
                 _apply_settings(self.critic_optimizer, cast(Any, self.cfg).critic_lr, self.cfg.weight_decay)
 
-    def batch(self, table: pa.Table, seed: int = 0) -> algorithms.Batch:
+    def batch(self, table: pa.Table, seed: int = 0, guard_uid: Optional[str] = None) -> algorithms.Batch:
         """The tensors an update needs from the batch query's rows: exact ids, advantages, settings."""
         col = lambda name: table.column(name).to_pylist()  # noqa: E731
         where = [f"turn {t} of game {g} (round {r})" for r, g, t in zip(col("round"), col("game_id"), col("turn"))]
@@ -139,11 +139,15 @@ class Trainer:
             seats=list(zip(col("round"), col("game_id"), col("pid"))), turns=col("turn"),
             final_reward=col("final_reward"), step_reward=col("step_reward"), seed=seed,
             mismatch=Mismatch(self.cfg.is_mode, self.cfg.is_cap),
+            fresh=None if guard_uid is None else torch.tensor([u == guard_uid for u in col("model_uid")]),
             transform=lambda values: transform_values(self.sampling, table, values))
 
-    def update(self, table: pa.Table, seed: int = 0) -> dict:
+    def update(self, table: pa.Table, seed: int = 0, guard_uid: Optional[str] = None) -> dict:
         """One update on a batch from the lake query (`seed`: its batch seed); returns the
-        learner_steps metrics."""
+        learner_steps metrics. `guard_uid`: the checkpoint whose weights the learner holds now (the
+        first update of an iteration): its rows' gap to the engine's log-probs can only be numerics
+        or other weights, and above learn.max_logp_gap it stops the job. Later updates' gaps include
+        the policy's own move (lr x updates), so they are recorded, not judged."""
         t0 = time.perf_counter()
         table, dropped = (drop_silent_groups(table, drop=not self.cfg.silent_rows_have_gradient())
                           if self.spec.unit == "group" else (table, {}))
@@ -153,7 +157,7 @@ class Trainer:
         if table.num_rows == 0:  # every group scored alike: nothing to learn from, nothing moves
             m.update(loss=0.0, pg_loss=0.0, optimizer_steps=0, skipped_steps=0, step_time_s=time.perf_counter() - t0)
             return m
-        batch = self.batch(table, seed)
+        batch = self.batch(table, seed, guard_uid)
         # cache_enabled=False: autocast caches the bf16 copy of each weight for the whole context, so
         # with several optimizer steps inside it every forward after the first would see the LoRA
         # weights as they were before the first step (the policy would never move: ppo_kl exactly 0).
@@ -161,7 +165,7 @@ class Trainer:
                             cache_enabled=False):
             m.update(self.algorithm.update(self, batch, self.cfg, self.device))
         m.update(batch.mismatch.metrics())
-        gap = m.get("logp_gap_mean")
+        gap = batch.mismatch.fresh_gap()
         if gap is not None and gap > self.cfg.max_logp_gap:
             raise JobError(f"learn.max_logp_gap: the engine's log-probs differ from the learner's by {gap:.3g} nats a "
                            f"token on average (at most {self.cfg.max_logp_gap:g} accepted; bf16 vs fp32 numerics give "

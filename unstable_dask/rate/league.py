@@ -50,7 +50,7 @@ def league_job(job: Job) -> Job:
 def rate_league(job: Job) -> LeagueRatings:
     """Rate the league `job.league_name` and write league_ratings and league_pairs."""
     cfg, league, lake = job.league, job.league_name, Lake(job.run.lake)
-    replay = ratings.rate(league_job(job))
+    replay = ratings.rate(league_job(job), empty_ok=True)  # before its first pass a league has no games
     head = [r for r in replay.head_to_head.to_pylist() if r["env_id"] == ratings.OVERALL]
     cells = [(r["model_a"], r["model_b"], r["wins_a"], r["draws"], r["games"] - r["wins_a"] - r["draws"])
              for r in head if r["model_a"] < r["model_b"]]

@@ -353,15 +353,17 @@ def _outputs(state: pa.Table, cfg: RatingsConfig, seed: int) -> tuple[pa.Table, 
 
 # ---------------------------------------------------------------- the job
 
-def rate(job: Job, full: bool = False) -> RatingsResult:
+def rate(job: Job, full: bool = False, empty_ok: bool = False) -> RatingsResult:
     """Replay the committed games of job.run.name and write ratings, rating_history, head_to_head.
 
-    `full=True` ignores the saved replay state (the result is the same, only slower).
+    `full=True` ignores the saved replay state (the result is the same, only slower). A run with no
+    committed round is an error (a typo in run.name), unless `empty_ok` (a league before its first
+    pass): then the tables are written empty.
     """
     t0 = time.perf_counter()
     cfg, run_name, lake = job.ratings, job.run.name, Lake(job.run.lake)
     committed = lake.rounds(run_name)  # one snapshot for the rounds and every game read below
-    if not committed:  # a typo in run.name, not a run to write empty ratings for
+    if not committed and not empty_ok:  # a typo in run.name, not a run to write empty ratings for
         runs = ", ".join(repr(r) for r in sorted(set(lake.snapshot.log("rounds").runs))) or "none"
         raise JobError(f"{job.source}: run {run_name!r} has no committed round in lake {lake.uri!r} (runs there: "
                        f"{runs}); nothing to rate")

@@ -77,12 +77,21 @@ class Batch:
     seed: int = 0  # the batch seed: rows are shuffled into optimizer steps with it
     # pi_b against pi_old, token by token; the importance weights (learn.is_mode, learn.is_cap)
     mismatch: "Mismatch" = field(default_factory=lambda: _mismatch("truncate", 2.0))
+    # [B] bool: rows played by the weights the learner started from (the parent checkpoint), on the
+    # first update of an iteration only: their pi_old / pi_b gap can only be numerics, so a large one
+    # stops the job (learn.max_logp_gap); None: no such check (later updates: the policy has moved).
+    fresh: Optional["torch.Tensor"] = None
     # Spec.sampling_on == "advantages": the job's sampling transforms, on per-row values.
     transform: Callable[[Sequence[float]], list[float]] = list
 
     @property
     def size(self) -> int:
         return len(self.turns)
+
+
+    def fresh_rows(self, rows: list[int]) -> Optional["torch.Tensor"]:
+        """`fresh` for a micro-batch's rows (what Mismatch.weights takes)."""
+        return None if self.fresh is None else self.fresh[rows]
 
 
 def _mismatch(mode: str, cap: float) -> "Mismatch":

@@ -140,7 +140,8 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
     def weigh(p: passes.Pass, old: "torch.Tensor") -> None:
         rows = p.rows
         weigher = batch.mismatch.sequence_weights if per_sequence else batch.mismatch.weights
-        w, keep = weigher(old, p.take(batch.behaviour), batch.known[rows].to(old.device), p.mask)
+        w, keep = weigher(old, p.take(batch.behaviour), batch.known[rows].to(old.device), p.mask,
+                          batch.fresh_rows(rows))
         if per_sequence:
             w_all[rows], keep_all[rows] = w.cpu(), keep.cpu()
         else:

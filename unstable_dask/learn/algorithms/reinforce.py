@@ -55,7 +55,8 @@ def update(models: Models, batch: Batch, args: Config, device) -> dict:
     for rows in step:
         p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device)
         old = p.logp.detach()  # theta = theta_old in the one optimizer step
-        w, mask = batch.mismatch.weights(old, p.take(batch.behaviour), batch.known[rows].to(old.device), p.mask)
+        w, mask = batch.mismatch.weights(old, p.take(batch.behaviour), batch.known[rows].to(old.device), p.mask,
+                                         batch.fresh_rows(rows))
         batch.mismatch.add_entropy(p.logits.detach(), p.mask, [batch.temperature[i] for i in rows],
                                    [batch.top_p[i] for i in rows])
         adv = batch.advantages[rows].to(device, p.logp.dtype).unsqueeze(-1)
