@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 
-def random_adapters(base_path: str, tmp_path_factory, n: int = 2) -> list:
-    """`n` LoRA adapters on `base_path` with random, non-zero B matrices (a fresh B is zero: a no-op)."""
+def random_adapters(base_path: str, tmp_path_factory, n: int = 2, scale: float = 0.5) -> list:
+    """`n` LoRA adapters on `base_path` with random, non-zero B matrices (a fresh B is zero: a no-op),
+    entries of standard deviation `scale`."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -17,7 +18,7 @@ def random_adapters(base_path: str, tmp_path_factory, n: int = 2) -> list:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+                    p.copy_(torch.randn(p.shape, generator=gen) * scale)
         path = tmp_path_factory.mktemp(f"adapter{i}")
         model.save_pretrained(path)
         out.append(Adapter(f"ckpt-{i}", str(path)))

