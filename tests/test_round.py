@@ -27,6 +27,7 @@ def test_round_end_to_end(tmp_path, local_client):
     s = play_round(job, client=local_client)
     assert (s.round, s.games, s.checkpoint_uid) == (0, 10, BASE_UID)
     con = Lake(job.run.lake).connect()
+    assert s.engine == "hf" and con.sql("SELECT engine FROM rounds").fetchall() == [("hf",)]  # the engine on record
     assert con.sql("SELECT count(*) FROM games").fetchall()[0][0] == 10
     assert con.sql("SELECT count(DISTINCT game_id) FROM games").fetchall()[0][0] == 10
     assert con.sql("SELECT split, count(*) FROM games GROUP BY 1 ORDER BY 1").fetchall() == [("eval", 4), ("train", 6)]

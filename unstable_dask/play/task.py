@@ -213,4 +213,5 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
     lake.write("turns", task.run_name, task.round, task.file_key, turns_out)
     lake.write("games", task.run_name, task.round, task.file_key, games_out)
     return dict(task=task.key, games=len(games_out), turns=len(turns_out), completion_tokens=tokens,
-                generate_s=gen_time, wall_s=time.perf_counter() - t0, worker=worker)
+                generate_s=gen_time, wall_s=time.perf_counter() - t0, worker=worker,
+                engines=sorted({e.name for e in engines.values()}))
