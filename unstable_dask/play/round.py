@@ -49,6 +49,12 @@ class RoundSummary:
     lake: str = ""
 
     @property
+    def in_flight_frac(self) -> Optional[float]:
+        """Games in flight / round.concurrency, time-weighted over the tasks' wall time."""
+        room = sum(t["concurrency"] * t["wall_s"] for t in self.tasks if "in_flight_s" in t)
+        return sum(t["in_flight_s"] for t in self.tasks if "in_flight_s" in t) / room if room > 0 else None
+
+    @property
     def engine(self) -> str:
         """The engines that played the round's model turns, e.g. "vllm 0.32.0 (cpu)" ("" if none)."""
         return ", ".join(sorted({e for t in self.tasks for e in t.get("engines", [])}))
@@ -117,7 +123,7 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
     try:
         lake.commit_round(run_name, round_, dict(
             attempt=attempt, checkpoint_uid=current.uid, games=summary.games, turns=summary.turns, tasks=len(tasks),
-            engine=summary.engine or None,
+            engine=summary.engine or None, in_flight_frac=summary.in_flight_frac,
             completion_tokens=summary.completion_tokens, temperature=job.model.temperature, top_p=job.model.top_p,
             max_new_tokens=job.model.max_new_tokens, job_fingerprint=job.fingerprint(),
             job=json.dumps(job.model_dump(mode="json"), sort_keys=True), started_at=started, committed_at=now()))
