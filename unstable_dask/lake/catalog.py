@@ -93,6 +93,8 @@ ROUNDS = pa.schema([
        "(model.backend `auto` picks where the engine starts); null: none, or not recorded"),
     _f("in_flight_frac", pa.float64(), "games in flight / round.concurrency, time-weighted over its tasks' wall "
        "time (per-game play keeps it near 1 until a task's games run out; lock-step steps wait for their slowest)"),
+    _f("prefix_cache_hit_rate", pa.float64(), "prompt tokens the engines took from their prefix caches / prompt "
+       "tokens of the turns they played (vLLM; null: hf, which has none)"),
     _f("job_fingerprint", pa.string(), "sha256 of the validated job, 16 hex"),
     _f("job", pa.string(), "the validated job as JSON"),
     _f("started_at", pa.timestamp("us", tz="UTC")),

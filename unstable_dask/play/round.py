@@ -55,6 +55,12 @@ class RoundSummary:
         return sum(t["in_flight_s"] for t in self.tasks if "in_flight_s" in t) / room if room > 0 else None
 
     @property
+    def prefix_cache_hit_rate(self) -> Optional[float]:
+        """Prompt tokens the engines took from their prefix caches / prompt tokens (None: no cache)."""
+        prompt = sum(t.get("prompt_tokens", 0) for t in self.tasks)
+        return sum(t.get("cached_tokens", 0) for t in self.tasks) / prompt if prompt else None
+
+    @property
     def engine(self) -> str:
         """The engines that played the round's model turns, e.g. "vllm 0.32.0 (cpu)" ("" if none)."""
         return ", ".join(sorted({e for t in self.tasks for e in t.get("engines", [])}))
@@ -124,6 +130,7 @@ def play_round(job: Job, client: Optional[Client] = None, console: Optional[Cons
         lake.commit_round(run_name, round_, dict(
             attempt=attempt, checkpoint_uid=current.uid, games=summary.games, turns=summary.turns, tasks=len(tasks),
             engine=summary.engine or None, in_flight_frac=summary.in_flight_frac,
+            prefix_cache_hit_rate=summary.prefix_cache_hit_rate,
             completion_tokens=summary.completion_tokens, temperature=job.model.temperature, top_p=job.model.top_p,
             max_new_tokens=job.model.max_new_tokens, job_fingerprint=job.fingerprint(),
             job=json.dumps(job.model_dump(mode="json"), sort_keys=True), started_at=started, committed_at=now()))

@@ -146,6 +146,7 @@ class _Task:
         self.games_out: list[dict] = []
         self.turns_out: dict[str, list[dict]] = {}  # game_id -> its turns
         self.tokens, self.gen_time = 0, 0.0
+        self.prompt_tokens, self.cached_tokens = 0, 0  # of the turns whose engine has a prefix cache
         self.in_flight, self.requests = _Gauge(), _Gauge()
 
     def row(self, g: _Game, pid: int, obs: str) -> dict:
@@ -176,6 +177,9 @@ class _Task:
         text = _utf8(out.text)
         action, ok = extract_action(text)
         self.tokens += out.completion_tokens
+        if out.cached_tokens is not None:
+            self.prompt_tokens += out.prompt_tokens
+            self.cached_tokens += out.cached_tokens
         row.update(adapter_sha256=None if out.adapter_path is None else adapter_digest(out.adapter_path),
                    prompt=prompt, completion=text, format_ok=ok, prompt_tokens=out.prompt_tokens,
                    completion_tokens=out.completion_tokens, completion_token_ids=out.token_ids,
@@ -344,4 +348,5 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
                 generate_s=play.gen_time, wall_s=wall, worker=play.worker, way=way,
                 engines=sorted({e.name for e in engines.values()}),
                 # games in flight, integrated over the task's wall time: / (concurrency x wall_s) is its share
-                in_flight_s=play.in_flight.integral, concurrency=round_cfg.concurrency)
+                in_flight_s=play.in_flight.integral, concurrency=round_cfg.concurrency,
+                prompt_tokens=play.prompt_tokens, cached_tokens=play.cached_tokens)

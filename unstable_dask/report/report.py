@@ -209,6 +209,8 @@ def gather(lake: Lake, run_name: str) -> dict[str, Any]:
         learner = _learner(con, run_name)
         samples = _samples(con, run_name)
         busy = timeline(con, run_name)
+        engine = _rows(con, "SELECT round, engine, prefix_cache_hit_rate, in_flight_frac FROM rounds WHERE run = ? "
+                            "ORDER BY round DESC LIMIT 1", [run_name])
     finally:
         con.close()
     envs = list(boards)
@@ -226,7 +228,8 @@ def gather(lake: Lake, run_name: str) -> dict[str, Any]:
                                                                             for i, r in ck_pts]})
     return {"run": run_name, "envs": envs, "boards": boards, "hist_chart": hist_chart, "ckpt_chart": ckpt_chart,
             "heatmap": heatmap(h2h), "arena": arena_views, "curves": curves, "curve_charts": curve_charts(curves), "per_env": per_env,
-            "learner": learner, "samples": samples, "checkpoints": ckpts, "timeline": busy[-TIMELINE_ROUNDS:]}
+            "learner": learner, "samples": samples, "checkpoints": ckpts, "timeline": busy[-TIMELINE_ROUNDS:],
+            "engine": engine[0] if engine else None}
 
 
 def curve_charts(curves: list[dict]) -> dict[str, Optional[dict]]:
