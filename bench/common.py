@@ -27,3 +27,21 @@ def save(name: str, data: dict) -> Path:
 
 def row(*cells) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def vllm_batch(engine, prompt_ids: list[list[int]], params) -> list:
+    """`vllm.LLM.generate` on the project's resident vLLM engine: every prompt sent at once to the
+    same async engine, no log-probs or decoding of ours; vLLM's RequestOutputs, in order."""
+    import asyncio
+
+    from unstable_dask.inference import aio
+
+    async def one(i: int, ids: list[int]):
+        last = None
+        async for out in engine.vm.engine.generate({"prompt_token_ids": ids}, params, request_id=f"raw-{i}-{id(ids)}"):
+            last = out
+        return last
+
+    async def every():
+        return await asyncio.gather(*(one(i, x) for i, x in enumerate(prompt_ids)))
+    return aio.run(every())

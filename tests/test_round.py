@@ -13,6 +13,8 @@ from unstable_dask.play.round import play_round, round_stats
 from unstable_dask.play.schedule import GameSpec, TaskSpec, schedule_round
 from unstable_dask.play.task import play_task
 
+from adapters import play_both_ways, same_games_both_ways
+
 
 def _job(tmp_path, **over):
     base = {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),
@@ -27,6 +29,7 @@ def test_round_end_to_end(tmp_path, local_client):
     s = play_round(job, client=local_client)
     assert (s.round, s.games, s.checkpoint_uid) == (0, 10, BASE_UID)
     con = Lake(job.run.lake).connect()
+    assert s.engine == "hf" and con.sql("SELECT engine FROM rounds").fetchall() == [("hf",)]  # the engine on record
     assert con.sql("SELECT count(*) FROM games").fetchall()[0][0] == 10
     assert con.sql("SELECT count(DISTINCT game_id) FROM games").fetchall()[0][0] == 10
     assert con.sql("SELECT split, count(*) FROM games GROUP BY 1 ORDER BY 1").fetchall() == [("eval", 4), ("train", 6)]
@@ -98,6 +101,30 @@ def test_interleaved_games_are_reproducible(tmp_path, concurrency):
     cols = ["game_id", "turn", "observation", "action"]
     key = lambda t: t.select(cols).sort_by([("game_id", "ascending"), ("turn", "ascending")]).to_pylist()
     assert key(pq.read_table(ref / "turns")) == key(pq.read_table(out / "turns"))
+
+
+class AsyncHF:
+    """The hf engine with an `agenerate`, as vLLM's engine has: what makes play_task play per game.
+    Each request is a batch of one, run off the loop (the hf engine takes one call at a time)."""
+
+    def __init__(self, engine):
+        self.engine, self.name, self.tokenizer = engine, engine.name, engine.tokenizer
+        self.chat_prompt, self.generate = engine.chat_prompt, engine.generate
+
+    async def agenerate(self, prompt, adapter=None, seed=None):
+        import asyncio
+        return (await asyncio.to_thread(self.engine.generate, [prompt], adapter, seed))[0]
+
+
+def test_per_game_play_gives_the_games_of_lock_step_play(tmp_path, monkeypatch):
+    """Greedy decoding on one engine: each game a coroutine (the vLLM way) plays exactly the games
+    lock-step batches play (and the same rows), with more games than slots, so slots are reused."""
+    from unstable_dask.inference import engine as engines
+    real = engines.get_engine
+    monkeypatch.setattr(engines, "get_engine", lambda cfg: AsyncHF(real(cfg)))
+    job = _job(tmp_path, **{"model.temperature": 0.0, "round.train_games": 6, "round.eval_games": 2,
+                            "round.games_per_task": 8, "round.concurrency": 3, "round.max_turns": 6})
+    same_games_both_ways(*play_both_ways(job, tmp_path))
 
 
 @pytest.mark.slow

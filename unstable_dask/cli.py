@@ -75,7 +75,7 @@ def cmd_round(args, eval_only: bool = False) -> None:
     s = play_round(job, console=err)
     console.print(f"round {s.round} of run [bold]{s.run_name}[/bold] played checkpoint [bold]{s.checkpoint_uid}[/bold]: "
                   f"{s.games} games, {s.turns} turns, {s.completion_tokens} completion tokens in {s.wall_s:.1f} s "
-                  f"({s.tokens_per_s:.0f} tok/s)")
+                  f"({s.tokens_per_s:.0f} tok/s" + (f" on {s.engine})" if s.engine else ")"))
     _print_table(round_stats(Lake(job.run.lake), s.run_name, s.round), title="per model (seats)")
     console.print(f"lake: {root(job.run.lake)}  (try: python -m unstable_dask.run sql "
                   f"\"SELECT split, count(*) FROM games GROUP BY split\" --lake {job.run.lake})")

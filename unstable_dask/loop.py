@@ -169,7 +169,8 @@ def _learn(job: Job, client, console: Console, rate: bool):
 
 def _after_round(job: Job, summary, console: Console) -> None:
     console.print(f"round {summary.round}: {summary.games} games, {summary.turns} turns "
-                  f"({summary.checkpoint_uid}, {summary.tokens_per_s:.0f} tok/s)", highlight=False)
+                  f"({summary.checkpoint_uid}, {summary.tokens_per_s:.0f} tok/s"
+                  + (f" on {summary.engine})" if summary.engine else ")"), highlight=False)
     for line in round_summary(job, summary.round):
         console.print(line, highlight=False)
     if job.run.compact_every and (summary.round + 1) % job.run.compact_every == 0:

