@@ -35,6 +35,8 @@ def hostile(n: int, seed: int = 0) -> list[str]:
 class HostileEngine:
     """Returns the next hostile completion for every prompt (see module docstring)."""
 
+    name = "hostile"  # what the round records as its engine
+
     def __init__(self, texts):
         self.texts = list(texts)
         self.i = 0
