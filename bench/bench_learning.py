@@ -11,8 +11,9 @@ stopped: run the same command again after a kill. The report of the run is
 reports/smollm2-learn/index.html.
 
     python bench/bench_learning.py [--rounds 12] [--job jobs/smollm2-learn.toml] [--set KEY=VALUE ...]
+                                   [--name learning]
 
-Writes bench/results/learning.json and bench/results/learning.svg; prints the markdown table.
+Writes bench/results/<name>.json and <name>.svg; prints the markdown table.
 """
 from __future__ import annotations
 
@@ -91,6 +92,7 @@ def main() -> None:
     ap.add_argument("--job", default=str(ROOT / "jobs" / "smollm2-learn.toml"))
     ap.add_argument("--rounds", type=int, default=12, help="the run's total rounds (0 .. rounds-1)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="job overrides, as `run --set`")
+    ap.add_argument("--name", default="learning", help="results name: bench/results/<name>.json and <name>.svg")
     args = ap.parse_args()
 
     from rich.console import Console
@@ -114,10 +116,14 @@ def main() -> None:
         "invalid_rate_cis_apart": last["invalid_rate_ci"][1] < first["invalid_rate_ci"][0],
         "win_rate_cis_apart": last["win_rate_ci"][0] > first["win_rate_ci"][1],
     }
-    svg = RESULTS / "learning.svg"
+    svg = RESULTS / f"{args.name}.svg"
     RESULTS.mkdir(parents=True, exist_ok=True)
     svg.write_text(plot(points), encoding="utf-8")
-    path = save("learning", {"job": os.path.relpath(args.job, ROOT), "overrides": args.set, "run": job.run.name,
+    from unstable_dask.lake import Lake
+    engines = [r["engine"] for r in Lake(job.run.lake).sql(
+        "SELECT DISTINCT engine FROM rounds WHERE run = ? AND engine IS NOT NULL", params=[job.run.name]).to_pylist()]
+    path = save(args.name, {"job": os.path.relpath(args.job, ROOT), "overrides": args.set, "run": job.run.name,
+                            "engines": engines,
                              "rounds": points, **targets, "this_call_s": time.perf_counter() - t0,
                              "load_average_1m": os.getloadavg()[0], "plot": svg.name})
     print(row("round", "checkpoint", "eval games", "invalid-move rate [95% CI]", "win rate vs random [95% CI]",

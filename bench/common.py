@@ -31,14 +31,16 @@ def row(*cells) -> str:
 
 def vllm_batch(engine, prompt_ids: list[list[int]], params) -> list:
     """`vllm.LLM.generate` on the project's resident vLLM engine: every prompt sent at once to the
-    same async engine, no log-probs or decoding of ours; vLLM's RequestOutputs, in order."""
+    same async engine, no log-probs or decoding of ours; vLLM's RequestOutputs, in order.
+    `params`: one SamplingParams for all, or a list of one per prompt."""
     import asyncio
 
     from unstable_dask.inference import aio
 
     async def one(i: int, ids: list[int]):
         last = None
-        async for out in engine.vm.engine.generate({"prompt_token_ids": ids}, params, request_id=f"raw-{i}-{id(ids)}"):
+        p = params[i] if isinstance(params, list) else params
+        async for out in engine.vm.engine.generate({"prompt_token_ids": ids}, p, request_id=f"raw-{i}-{id(ids)}"):
             last = out
         return last
 

@@ -151,19 +151,33 @@ def test_groups_without_signal_never_reach_an_optimizer_step(lake_dir, tmp_path)
     assert all(not torch.any(v) for k, v in weights.items() if "lora_B" in k)  # B = 0: the fresh LoRA, unmoved
 
 
-def test_with_a_kl_penalty_silent_groups_still_pull_towards_the_base(lake_dir, tmp_path, local_client):
-    """The GRPO trap: once every attempt of every group scores alike (say, every move invalid), the
-    advantages are all 0 and only the KL term moves the policy, back towards the base. With kl_coef > 0
-    the trainer keeps such groups (their KL term has a gradient); dropping them left a collapsed
-    policy with no update at all (a CI run: round 3 at 0.01 win rate, then 0 tok/s updates)."""
+def test_a_batch_without_signal_makes_no_step_even_with_a_kl_penalty(lake_dir, tmp_path, local_client):
+    """When every attempt of every group scores alike, the advantages are all 0 and an update would
+    be the KL term's alone, which AdamW scales to a full step towards the base: at saturation
+    (every group won) that pulled a solved policy from 1.00 to 0.25 in one round. Such a batch
+    makes no step, KL penalty or not."""
     tmp = copy_of(lake_dir, tmp_path)
     job = make_job(tmp, kl_coef=0.05)
     learn(job)  # ckpt-1: an adapter that differs from the base (a fresh one equals it: no KL gradient)
     play_round(job, client=local_client)  # round 1, played by ckpt-1
     silent = make_job(tmp, kl_coef=0.05, sampling_transforms=["SELECT * REPLACE (0.0 AS reward) FROM batch"])
     (step,) = learn(silent).steps
-    assert step["zero_std_group_frac"] == 1.0 and step["rows_dropped"] == 0 and step["samples"] > 0
-    assert step["pg_loss"] == 0 and step["kl"] > 0 and step["optimizer_steps"] == 1
+    assert step["zero_std_group_frac"] == 1.0 and step["rows_dropped"] > 0 and step["samples"] == 0
+    assert step["optimizer_steps"] == 0
+
+
+def test_with_a_kl_penalty_silent_groups_join_a_step_that_has_signal():
+    """Beside groups with signal, a silent group's rows stay when a KL penalty gives them a
+    gradient (drop=False), and go when nothing but the advantage weighs them."""
+    from unstable_dask.learn.trainer import drop_silent_groups
+    table = pa.table({"group_id": ["a", "a", "b", "b", "c", "c"], "pid": [0, 0, 0, 0, 0, 0],
+                      "advantage": [0.0, 0.0, 1.0, -1.0, None, 0.0]})
+    kept, m = drop_silent_groups(table, drop=False)
+    assert kept.num_rows == 6 and m == {"zero_std_group_frac": 2 / 3, "rows_dropped": 0}
+    dropped, m = drop_silent_groups(table, drop=True)
+    assert dropped.column("group_id").to_pylist() == ["b", "b"] and m["rows_dropped"] == 4
+    none, m = drop_silent_groups(table.filter(pa.array([True, True, False, False, True, True])), drop=False)
+    assert none.num_rows == 0 and m == {"zero_std_group_frac": 1.0, "rows_dropped": 4}
 
 
 def test_the_gap_guard_judges_only_rows_of_the_weights_the_learner_holds(lake_dir):

@@ -361,8 +361,9 @@ class LearnConfig(_Strict):
 
     def silent_rows_have_gradient(self) -> bool:
         """Whether a row whose advantage is 0 still gives its loss a gradient (a KL penalty does).
-        The trainer drops groups whose advantages are all 0 only when it does not: such a group's
-        KL term is what pulls a policy that stopped scoring anywhere back towards the base."""
+        The trainer then keeps groups whose advantages are all 0 beside groups with signal (their
+        KL term joins the step); a batch with no signal at all makes no step either way
+        (trainer.drop_silent_groups)."""
         return False
 
     @field_validator("quantization")

@@ -234,18 +234,22 @@ def compute_dtype(name: str, device: torch.device, hidden_size: int) -> torch.dt
 def drop_silent_groups(table: pa.Table, drop: bool = True) -> tuple[pa.Table, dict]:
     """The batch without the groups ((group_id, pid)) whose every advantage is exactly 0: when
     nothing but the advantage weighs a row (`drop`) they carry no signal, and mini-batches full of
-    them would make AdamW step on its momentum alone. Returns the table and learner_steps metrics:
-    the share of such groups and the rows dropped."""
+    them would make AdamW step on its momentum alone. With `drop` False (a KL penalty gives such
+    rows a gradient) they stay beside groups that have signal; a batch with none at all is dropped
+    whole all the same: its update would be the KL term's alone, which AdamW scales to a full step
+    (at saturation, every group won, that step pulled a solved policy back towards the base:
+    1.00 -> 0.25 in one round, tests/test_learning.py). Returns the table and learner_steps
+    metrics: the share of silent groups and the rows dropped."""
     keys = [f"{g}\x00{p}" for g, p in zip(table.column("group_id").to_pylist(), table.column("pid").to_pylist())]
     signal: dict[str, bool] = {}
     for k, a in zip(keys, table.column("advantage").to_pylist()):
         signal[k] = signal.get(k, False) or (a is not None and a != 0.0)
-    keep = pa.array([signal[k] or not drop for k in keys], pa.bool_())
+    keep_silent = not drop and any(signal.values())
+    keep = pa.array([signal[k] or keep_silent for k in keys], pa.bool_())
     out = table.filter(keep) if len(keys) else table
     silent = sum(1 for v in signal.values() if not v)
     return out, dict(zero_std_group_frac=silent / len(signal) if signal else None,
                      rows_dropped=table.num_rows - out.num_rows)
-
 
 
 def _mean(batch: pa.Table, name: str) -> Optional[float]:
