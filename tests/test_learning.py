@@ -43,9 +43,9 @@ number among illegal answers; a run that picks up "[1]" first drifts into a lega
 Scaled by the batch's std instead (GroupRelativeAdvantage(scale="batch"), TRL's
 scale_rewards="batch"), a win stays worth twice a wrong legal number in every group: clip 0.5,
 seeds 50-59, 9 of 10 rose by +0.73..+0.91; seed 59 had a round that moved 0.76 nats and ended at
-0.02. The clip bounds that: at 0.3 no round of 20 runs moved more than 0.36 nats (max ppo_kl),
+0.02. The clip bounds that: at 0.3 no round of 18 runs moved more than 0.36 nats (max ppo_kl),
 but learning is slower (per-group std, seeds 40-49: +0.30..+0.80 by round 11, 2 drifted to
-0.02-0.09), hence 16 rounds. Batch std, clip 0.3, 16 rounds, seeds 60-68: 8 of 9 rose by
+0.02-0.09), hence 16 rounds. Batch std, clip 0.3, 16 rounds, seeds 60-63, 65-68: 7 of 8 rose by
 +0.75..+0.92 (by round 11 already +0.60..+0.83); seed 63 reached 1.00 in round 12 and then fell
 to 0.25: with every group won, the batch had no signal and its update was the KL term's alone,
 which AdamW scales to a full step towards the base. Such a batch now makes no step
