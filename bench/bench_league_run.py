@@ -21,34 +21,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common import RESULTS, row, save  # noqa: E402
 
 
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's rho: Pearson's correlation of the ranks (ties share their mean rank)."""
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    sx = sum((a - mx) ** 2 for a in rx) ** 0.5
-    sy = sum((b - my) ** 2 for b in ry) ** 0.5
-    return cov / (sx * sy) if sx and sy else float("nan")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--job", required=True)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="job overrides, as `run --set`")
     ap.add_argument("--name", default="league_run")
     args = ap.parse_args()
+
+    from scipy.stats import spearmanr
 
     from unstable_dask.cli import parse_set
     from unstable_dask.jobfile import load_job
@@ -64,7 +44,8 @@ def main() -> None:
         raise SystemExit(f"no ratings of league {league!r} in {job.run.lake}: run `run league --job {args.job}` first")
     curve = sorted((r for r in rows if (r["kind"] == "checkpoint" and r["source_run"] == job.run.name)
                     or (r["kind"] == "base" and r["base_model"] is not None)), key=lambda r: r["iteration"])
-    rho = spearman([float(r["iteration"]) for r in curve], [r["rating"] for r in curve]) if len(curve) > 1 else None
+    rho = (float(spearmanr([r["iteration"] for r in curve], [r["rating"] for r in curve]).statistic)
+           if len(curve) > 1 else None)
     apart = sum(1 for a, b in zip(curve, curve[1:]) if None not in (a["rating_low"], b["rating_low"])
                 and (b["rating_low"] > a["rating_high"] or b["rating_high"] < a["rating_low"]))
     games = Lake(job.run.lake).sql("SELECT count(*) AS n FROM games WHERE run = ?", params=[league]).to_pylist()[0]["n"]
