@@ -107,6 +107,17 @@ def test_sql_command_prints_table_csv_and_json(tmp_path, capsys):
     assert "game_id" in out and "│ a" in out
 
 
+def test_sql_table_shows_model_text_as_written(tmp_path, capsys):
+    """Moves are bracketed ("[bet]", "[3]"): the table prints them, not as rich markup (which drops them)."""
+    from unstable_dask import cli as run
+    Lake(tmp_path).write("games", "r1", 0, "task-0000", [_game("a")])
+    _commit(tmp_path, "r1", 0)
+    q = "SELECT '[bet] then [red]x[/red]' AS \"[move]\", game_id FROM games"
+    assert run.main(["sql", q, "--lake", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "[bet] then [red]x[/red]" in out and "[move]" in out
+
+
 def test_a_lake_uri_other_than_s3_is_refused_when_the_job_loads():
     from unstable_dask.errors import JobError
     from unstable_dask.jobfile import load_job

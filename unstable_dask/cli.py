@@ -20,6 +20,7 @@ import tomllib
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from unstable_dask.config import Job
 from unstable_dask.errors import JobError
@@ -54,11 +55,12 @@ def _print_table(rows: list[dict], title: Optional[str] = None) -> None:
     if not rows:
         console.print("(no rows)")
         return
-    table = Table(title=title, show_lines=False)
+    table = Table(title=None if title is None else Text(title), show_lines=False)
     for col in rows[0]:
-        table.add_column(str(col), overflow="fold")
+        table.add_column(Text(str(col)), overflow="fold")
     for r in rows:
-        table.add_row(*[_fmt(v) for v in r.values()])
+        # Text, not str: rich would read model text such as "[bet]" or "[3]" as markup and drop it.
+        table.add_row(*[Text(_fmt(v)) for v in r.values()])
     console.print(table)
 
 
