@@ -28,7 +28,7 @@ import torch
 from unstable_dask.jobfile import validate_job
 from unstable_dask.learn.trainer import Trainer
 
-from common import row, save
+from common import matmul_peak, row, save
 
 
 def make_batch(tokenizer, n: int) -> pa.Table:
@@ -44,17 +44,6 @@ def make_batch(tokenizer, n: int) -> pa.Table:
                      "temperature": [1.0] * n, "top_p": [1.0] * n,
                      "advantage": [float((i % 3) - 1) for i in range(n)],
                      "env_reward": [1.0] * n, "final_reward": [1.0] * n, "step_reward": [1.0] * n})
-
-
-def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    t = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        t.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / min(t)
 
 
 def main() -> None:
@@ -106,7 +95,7 @@ def main() -> None:
     completion = int(tok.loss_mask.sum())
     flops_tok_before = 4 * params + 6 * vocab * hidden  # logits at every position
     flops_tok_now = 4 * params + 6 * vocab * hidden * (completion + args.rows) / tokens  # logits from the completion on
-    peak = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+    peak = {"fp32": matmul_peak("float32"), "bf16": matmul_peak("bfloat16")}
     frac = {"before": med["before"] * flops_tok_before / peak["fp32"], "fp32": med["fp32"] * flops_tok_now / peak["fp32"],
             "bf16": med["bf16"] * flops_tok_now / peak["bf16"]}
     res = dict(model=args.model, rows=args.rows, tokens=tokens, completion_tokens=completion,

@@ -4,7 +4,10 @@ For each run (its whole validated job, from the lake's `rounds.job`), per round:
 against each fixed opponent with its Wilson 95% interval, the same games' `legal-random` baseline
 (round.eval_baseline: the random agent, which plays legal moves, in the learner's seats on the
 same seeds) with its interval, format success and invalid-move rate of the learner's eval turns,
-and whether the learner's interval lies entirely above the baseline's. Nothing is typed by hand:
+and whether the learner's interval lies entirely above the baseline's. On Kuhn Poker, where the
+best reply to the random agent is simple to state (bet when you may, never fold:
+bench_kuhn_policies.py), also what the learner chose: the share of its eval decisions with
+`[bet]` legal that bet, and of those facing a bet that fold. Nothing is typed by hand:
 run it again on the same lakes and the file is the same.
 
     python bench/bench_strategy.py --lake lake [--lake other-lake ...] [--runs NAME ...]
@@ -23,6 +26,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from common import row, save  # noqa: E402
 
+# The learner's eval decisions in Kuhn Poker, by the legal actions of the hand being played (the
+# observation holds the whole game, so the last "available actions" line is the current one).
+KUHN_SQL = r"""
+SELECT round, avg((move = 'bet')::DOUBLE) FILTER (WHERE legal = '''[check]'', ''[bet]''') AS bet_share,
+       count(*) FILTER (WHERE legal = '''[check]'', ''[bet]''') AS bet_legal_turns,
+       avg((move = 'fold')::DOUBLE) FILTER (WHERE legal = '''[fold]'', ''[call]''') AS fold_share,
+       count(*) FILTER (WHERE legal = '''[fold]'', ''[call]''') AS facing_bet_turns
+FROM (SELECT round, regexp_extract(lower(action), '\[(check|bet|call|fold)\]', 1) AS move,  -- the env's reading
+             regexp_extract(observation, '(?s).*available actions are: ([^\n]*)', 1) AS legal
+      FROM turns WHERE run = ? AND split = 'eval' AND is_learner AND env_id LIKE 'KuhnPoker%')
+GROUP BY round"""
+
 
 def run_rows(con, run_name: str) -> dict:
     from unstable_dask.report.report import round_curves
@@ -32,6 +47,7 @@ def run_rows(con, run_name: str) -> dict:
     last_ckpt = con.sql("SELECT max(created_at) FROM checkpoints WHERE run = ?", params=[run_name]).fetchall()[0][0]
     end = max(t for t in (meta[1], last_ckpt) if t is not None)
     job = json.loads(meta[2])
+    kuhn = {r[0]: r[1:] for r in con.sql(KUHN_SQL, params=[run_name]).fetchall()}
     rounds = []
     for k in sorted({r["round"] for r in rows}):
         ev = {r["opponent"]: r for r in rows if r["round"] == k and r["split"] == "eval" and r["opponent"] != "*"}
@@ -45,6 +61,9 @@ def run_rows(con, run_name: str) -> dict:
                 "legal_random_ci": b and [b["win_rate_low"], b["win_rate_high"]],
                 "above_baseline": bool(b and e["win_rate_low"] > b["win_rate_high"]),
                 "format_success": e["format_success"], "invalid_rate": e["invalid_rate"]})
+            if k in kuhn:  # what it chose, not only how it scored
+                rounds[-1].update(zip(("kuhn_bet_share", "kuhn_bet_legal_turns", "kuhn_fold_share",
+                                       "kuhn_facing_bet_turns"), kuhn[k]))
     return {"run": run_name, "job": job, "seed": job["run"]["seed"],
             "algorithm": job["learn"]["algorithm"], "model": job["model"]["base"],
             "wall_minutes": (end - meta[0]).total_seconds() / 60, "rounds": rounds}

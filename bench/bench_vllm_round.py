@@ -95,6 +95,7 @@ def _tasks(tasks: list[dict], wall: float) -> dict:
     room = sum(t["concurrency"] * t["wall_s"] for t in tasks)
     prompt = sum(t.get("prompt_tokens", 0) for t in tasks)
     return {"completion_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "cached_tokens": sum(t.get("cached_tokens", 0) for t in tasks),
             "in_flight_frac": sum(t["in_flight_s"] for t in tasks) / room if room else None,
             "prefix_cache_hit_rate": sum(t.get("cached_tokens", 0) for t in tasks) / prompt if prompt else None}
 
@@ -117,8 +118,21 @@ def _play(job, client) -> dict:
         if max(n):
             conc = min(job.round.concurrency, len(n))  # all of a task's games start at once when they fit
             bound[task] = sum(n) / (conc * max(n)) if len(n) <= conc else None
+    [(fed, made)] = Lake(job.run.lake).sql("""SELECT sum(prompt_tokens), sum(completion_tokens) FROM turns
+        WHERE round = ? AND prompt IS NOT NULL""", params=[s.round]).fetchall()
     return {"games": s.games, "turns": s.turns, **_tasks(_model_tasks(s.tasks), s.wall_s),
-            "tok_s": s.tokens_per_s, "tasks": s.tasks, "in_flight_bound": bound}
+            "tok_s": s.tokens_per_s, "tasks": s.tasks, "in_flight_bound": bound,
+            "prompt_tokens_fed": fed, "completion_tokens_made": made}
+
+
+def peak_share(r: dict, flops: tuple[float, float], peak: float) -> float:
+    """The engines' useful work over the round's wall time, as a share of the cores' matmul peak:
+    prompt tokens computed (those fed less those served from the prefix cache) and generated tokens
+    through the weights, plus the LM head once per generated token. Padding, recomputation and
+    attention are not counted: this is work the round needed, not work the engine did."""
+    body, head = flops
+    computed = r["prompt_tokens_fed"] - r.get("cached_tokens", 0) + r["completion_tokens_made"]
+    return (computed * body + r["completion_tokens_made"] * head) / r["wall_s"] / peak
 
 
 def _offline_of(job, client, where: dict) -> dict:
@@ -195,6 +209,16 @@ def main() -> None:
             "model.vllm.max_num_seqs": n * base.model.vllm.max_num_seqs}), set())
     load.append(os.getloadavg()[0])
     shutil.rmtree(tmp, ignore_errors=True)
+    # The physical limit: each worker's engine computes on one core of its own (vLLM's binding; hf:
+    # one torch thread), so the cores' peak is the one-thread matmul peak times the workers.
+    from unstable_dask.inference.weights import resolve_model
+
+    from common import forward_flops, matmul_peak
+    dtype = {"auto": "float32"}.get(base.model.dtype, base.model.dtype)  # auto: fp32 on a CPU (both engines)
+    cores = base.cluster.n_workers * base.cluster.threads_per_worker
+    peak = matmul_peak(dtype, threads=1) * cores
+    flops = forward_flops(resolve_model(base.model.base))
+    shares = {k: peak_share(res[k]["round"], flops, peak) for k in ("hf", "vllm")}
 
     hf, v, off, ls = res["hf"]["round"], res["vllm"]["round"], res["vllm"]["offline"], res["vllm"]["lock_step"]
     ratios = {"vllm_vs_hf": v["tok_s"] / hf["tok_s"], "vllm_vs_offline": v["tok_s"] / off["tok_s"],
@@ -206,7 +230,9 @@ def main() -> None:
     if "one_worker" in res:
         ratios["two_workers_vs_one"] = v["tok_s"] / res["one_worker"]["round"]["tok_s"]
     path = save("vllm_round" + (f"_{args.dtype}" if args.dtype else ""),
-                {**res, **ratios, "dtype": args.dtype or "the job's", "load_average_1m": load})
+                {**res, **ratios, "dtype": args.dtype or "the job's", "load_average_1m": load,
+                 "matmul_peak_flops": {"dtype": dtype, "cores": cores, "flops": peak},
+                 "forward_flops_per_token": {"weights": flops[0], "lm_head": flops[1]}, "peak_share": shares})
 
     def f2(x) -> str:
         return "" if x is None else f"{x:.2f}"
@@ -241,6 +267,8 @@ def main() -> None:
         print(row("1 worker, 56 games in flight (its own engine)", f"{ow['tok_s']:.1f}",
                   f"2 workers {ratios['two_workers_vs_one']:.2f}x of it", f2(ow["in_flight_frac"]) + bound(ow),
                   f2(ow["prefix_cache_hit_rate"])))
+    print(f"share of the cores' {dtype} matmul peak ({peak / 1e9:.0f} GFLOP/s on {cores} core(s)): "
+          f"hf round {shares['hf']:.1%}, vLLM round {shares['vllm']:.1%}")
     print(f"load average {load[0]:.1f} -> {load[1]:.1f}; results: {path}")
 
 

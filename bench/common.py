@@ -47,3 +47,36 @@ def vllm_batch(engine, prompt_ids: list[list[int]], params) -> list:
     async def every():
         return await asyncio.gather(*(one(i, x) for i, x in enumerate(prompt_ids)))
     return aio.run(every())
+
+
+def matmul_peak(dtype: str = "float32", n: int = 2048, reps: int = 5, threads: int | None = None) -> float:
+    """FLOP/s of an n^3 torch matmul on this machine (best of `reps`): the physical limit an engine
+    or a learner is compared with. `threads`: torch threads for the measurement (default: as set)."""
+    import torch
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        a, b = (torch.randn(n, n, dtype=getattr(torch, dtype)) for _ in range(2))
+        a @ b
+        t = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            a @ b
+            t.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * n ** 3 / min(t)
+
+
+def forward_flops(model_path: str) -> tuple[float, float]:
+    """(FLOPs per token through the non-embedding weights, FLOPs per token of the LM head) of a
+    decoder-only transformers model, counted from its config: 2 x weights per token for each."""
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(model_path)
+    h, layers = c.hidden_size, c.num_hidden_layers
+    head = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", c.num_attention_heads) * head
+    attn = h * c.num_attention_heads * head * 2 + h * kv * 2  # q, o; k, v
+    mlp = 3 * h * c.intermediate_size  # gate, up, down
+    return 2.0 * layers * (attn + mlp), 2.0 * c.vocab_size * h
