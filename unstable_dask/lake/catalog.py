@@ -6,7 +6,8 @@ fails when they drift) all read it; this module imports nothing of the project.
 
 Commit rules:
   data     Parquet files written by workers, visible once the marker of their partition is
-           committed (games and turns by a `rounds` row, learner_steps by a `checkpoints` row).
+           committed (games and turns by a `rounds` row, learner_steps and baselines by a
+           `checkpoints` row).
   marker   a Delta commit that claims a partition (one per run and round/iteration, exclusive)
            and names the data files it makes visible.
   replace  derived tables rewritten whole per run by one job (ratings): one file per run,
@@ -120,6 +121,8 @@ CHECKPOINTS = pa.schema([
     _f("files", pa.list_(pa.string()), "the data files this commit makes visible, relative to the lake"),
     _f("steps", pa.int64(), "rows of `learner_steps` this commit made visible, one per update (counted by the "
        "commit; every reader checks them)"),
+    _f("baselines", pa.int64(), "rows of `baselines` this commit made visible (likewise; null: committed before "
+       "the table existed)"),
 ])
 
 LEARNER_STEPS = pa.schema([
@@ -166,6 +169,19 @@ LEARNER_STEPS = pa.schema([
     _f("table_versions", pa.string(),
        "JSON {table: Delta version} of the snapshot the batch was read from (`learn --preview --at-version`)"),
     _f("created_at", pa.timestamp("us", tz="UTC")),
+])
+
+# The role-advantage EMA's state after a round (learn/ema.py), committed with the iteration whose
+# window ended at that round: the next batch query starts from it instead of scanning all history.
+BASELINES = pa.schema([
+    _f("round", pa.int64(), "the newest round the state covers: b after every train game of rounds <= round"),
+    _f("transform", pa.string(), "JSON list of the final transforms up to and including the stateful one "
+       "(their reprs, user SQL verbatim): a state is reused only by the identical chain"),
+    _f("is_learner", pa.bool_(), "the key: learner seats and opponents' seats have separate EMAs"),
+    _f("env_id", pa.string(), "the key's env (RoleAdvantageByEnvFormatter); null for RoleAdvantageFormatter"),
+    _f("pid", pa.int32(), "the key's seat"),
+    _f("games", pa.int64(), "games that fed the EMA (n)"),
+    _f("b", pa.float64(), "the EMA after the key's last game of those rounds (b0 = 0)"),
 ])
 
 RATINGS = pa.schema([
@@ -245,6 +261,9 @@ class Table:
     # (the commit counts them; readers compare the Delta log's row counts with it)
     counted_by: Optional[str] = None
     view: bool = True  # a DuckDB view of this name exists
+    # for data tables added after the counts: every commit that made files of it visible counted
+    # them, so a lake without its log (written before the table) is one with no rows of it
+    optional: bool = False
     doc: str = ""
 
     @property
@@ -262,6 +281,9 @@ TABLES: dict[str, Table] = {t.name: t for t in [
           doc="one row per learner iteration: the learner's commit"),
     Table("learner_steps", LEARNER_STEPS, "iteration", ("update",), "data", "checkpoints",
           doc="one row per update (one sampled batch)", counted_by="steps"),
+    Table("baselines", BASELINES, "iteration", ("transform",), "data", "checkpoints",
+          doc="the role-advantage EMA's state after a round, per transform and key", counted_by="baselines",
+          optional=True),
     Table("ratings", RATINGS, None, ("model_uid",), "replace", doc="per model and env, recomputed by `run rate`"),
     Table("rating_history", RATING_HISTORY, None, ("round",), "replace", doc="the ratings after every committed round"),
     Table("head_to_head", HEAD_TO_HEAD, None, ("model_a",), "replace", doc="pairwise results (both directions)"),

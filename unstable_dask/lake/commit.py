@@ -90,8 +90,8 @@ def attempt_of(path: st.Location) -> Optional[str]:
 # What a round's or learner's attempt writes into a partition, and nothing else: `<key>.<attempt>.parquet`
 # (attempt: 8 hex digits from uuid4) and the temp files of those writes (storage.write_parquet). A
 # compacted file (`part-00000-<uuid>-c000.zstd.parquet`) or anything else never matches.
-ATTEMPT_FILE = re.compile(r"(?P<key>(task-\d+|steps))\.(?P<attempt>[0-9a-f]{8})\.parquet")
-ATTEMPT_TEMP = re.compile(r"\.(task-\d+|steps)\.[0-9a-f]{8}\.[0-9a-f]{8}\.tmp")
+ATTEMPT_FILE = re.compile(r"(?P<key>(task-\d+|steps|baselines))\.(?P<attempt>[0-9a-f]{8})\.parquet")
+ATTEMPT_TEMP = re.compile(r"\.(task-\d+|steps|baselines)\.[0-9a-f]{8}\.[0-9a-f]{8}\.tmp")
 
 
 def partition_files(root: str, table: str, run_name: str, part: int,

@@ -8,9 +8,10 @@ the iteration is planned); learner_steps records those versions, so `learn --pre
 Order of writes (every name carries this attempt's id):
   1. adapter (+ optimizer state, + critic for A2C) to <lake>/adapters/<run>/ckpt-<k>.<attempt>/
      via a temp dir
-  2. learner_steps of iteration k, steps.<attempt>.parquet (a file no commit names yet)
+  2. learner_steps of iteration k, steps.<attempt>.parquet, and the role-advantage EMA's state
+     after the window's newest round, baselines.<attempt>.parquet (files no commit names yet)
   3. the commit of iteration k (lake.commit_marker): claim `<run>/iteration=<k>` in the
-     checkpoints log, add the steps file to learner_steps, publish the checkpoints row
+     checkpoints log, add the steps and baselines files, publish the checkpoints row
 A learn job killed before 3 leaves nothing visible and is simply run again (one killed inside 3
 is finished by the next `plan`); two racing learners cannot both claim iteration k. A learn job
 for a round already trained on (the newest checkpoint lists it) does nothing.
@@ -39,7 +40,8 @@ from unstable_dask.lake import storage as st
 from unstable_dask.lake.catalog import LEARNER_STEPS
 from unstable_dask.lake.commit import now
 from unstable_dask.learn import algorithms
-from unstable_dask.learn.rewards import batch_query, parse_transforms, run_batch_query, window_rounds
+from unstable_dask.learn.ema import find_state
+from unstable_dask.learn.rewards import batch_query, parse_transforms, run_batch_query, state_rows, window_rounds
 
 
 @dataclass
@@ -134,7 +136,8 @@ def batch_seed(job: Job, iteration: int, update: int) -> int:
 
 
 def build_query(job: Job, p: Plan, update: int = 0, con=None) -> str:
-    """The batch query of one update: the job's transforms, the plan's window and seed."""
+    """The batch query of one update: the job's transforms, the plan's window and seed, and the
+    newest stored role-advantage state before the window that `con` (the plan's snapshot) holds."""
     cfg = job.learn
     final = parse_transforms(cfg.final_transforms, "final", con)
     step = parse_transforms(cfg.step_transforms, "step", con)
@@ -142,7 +145,8 @@ def build_query(job: Job, p: Plan, update: int = 0, con=None) -> str:
     # Sampling transforms on the rewards here, or by the update on its own advantages (A2C).
     sampling = parse_transforms(cfg.sampling_transforms, "sampling", con) if spec.sampling_on == "rewards" else []
     seed = p.seeds[update] if update in p.seeds else batch_seed(job, p.iteration, update)
-    return batch_query(p.run_name, p.rounds, cfg.batch_size, seed, final, step, sampling, unit=spec.unit)
+    state = find_state(con, p.run_name, p.rounds, final) if con is not None else None
+    return batch_query(p.run_name, p.rounds, cfg.batch_size, seed, final, step, sampling, unit=spec.unit, state=state)
 
 
 def check_exact_tokens(con: duckdb.DuckDBPyConnection, job: Job, p: Plan) -> None:
@@ -276,6 +280,11 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
                      rounds=p.rounds, device=device, created_at=now(),
                      table_versions=json.dumps(p.versions, sort_keys=True), **_cuda_memory(device))
             steps.append(m)
+        con = lake.connect()
+        try:  # the EMA's state after the window, from the same games as its batches (learn/ema.py)
+            baselines = state_rows(con, p.run_name, p.rounds, parse_transforms(job.learn.final_transforms, "final", con))
+        finally:
+            con.close()
         # Attempt-named, like round files: a learner racing on the same iteration can never
         # replace the adapter or steps of the attempt that committed it.
         attempt = uuid.uuid4().hex[:8]
@@ -292,6 +301,8 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
         raise RuntimeError(f"{job.learn.algorithm}'s update returned metrics that are not learner_steps columns: {unknown}")
     rows = [{k: s.get(k, swap.get(k)) for k in LEARNER_STEPS.names} for s in steps]
     lake.write("learner_steps", p.run_name, p.iteration, f"steps.{attempt}", pa.Table.from_pylist(rows, schema=LEARNER_STEPS))
+    if baselines is not None:
+        lake.write("baselines", p.run_name, p.iteration, f"baselines.{attempt}", baselines)
     try:
         lake.commit("checkpoints", p.run_name, p.iteration, "checkpoint", dict(
             attempt=attempt, uid=p.uid, parent_uid=p.parent_uid, adapter_path=rel, adapter_sha256=digest,
@@ -328,7 +339,7 @@ def check_finite_advantages(job: Job, p: Plan, update: int, batch: pa.Table, con
         for i, t in enumerate(transforms):
             upto[stage].append(t)
             sql = batch_query(p.run_name, p.rounds, cfg.batch_size, seed, upto["final"], upto["step"], upto["sampling"],
-                              unit=spec.unit)
+                              unit=spec.unit, state=find_state(con, p.run_name, p.rounds, upto["final"]))
             values = run_batch_query(con, sql).column("advantage").to_pylist()
             if any(v is None or not math.isfinite(v) for v in values):
                 raise JobError(f"{job.source}: key 'learn.{stage}_transforms[{i}]' has value {stages[stage][i]!r}: it "

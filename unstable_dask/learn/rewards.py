@@ -16,7 +16,9 @@ also give raw SQL: one SELECT over the relation named after its stage (`final`, 
 
   final_0 .. final    seats of train games of the run, rounds <= the window's last round
                       (run, round, game_id, env_id, seed, pid, role, model_uid, is_learner,
-                      env_reward, reward); only learner seats reach `steps`
+                      env_reward, reward); only learner seats reach `steps`. With a
+                      role-advantage state stored at a round s < the window (ema.py), only
+                      rounds > s, each key's EMA starting at its stored b (final_<i>_state)
   steps_0 .. steps    learner turns of the window's rounds joined with their seat's final reward
                       (+ turn, group_id, format_ok, invalid_move, token counts, truncated,
                       final_reward; no text: join `turns` for it)
@@ -30,7 +32,6 @@ and the query returns `batch` with `reward` renamed `advantage`, ordered by (rou
 from __future__ import annotations
 
 import ast
-import math
 import re
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Sequence, Union
@@ -40,57 +41,22 @@ import pyarrow as pa
 
 from unstable_dask.errors import JobError
 from unstable_dask.lake.read import check_select_only
+from unstable_dask.learn.ema import (
+    RoleAdvantageByEnvFormatter,
+    RoleAdvantageFormatter,
+    find_state,
+    sql_num,
+    sql_str,
+    state_cte,
+    stateful,
+)
 
 STAGES = ("final", "step", "sampling")
 _STAGE_REL = {"final": "final", "step": "steps", "sampling": "batch"}
 _KEY = {"final": "learn.final_transforms", "step": "learn.step_transforms", "sampling": "learn.sampling_transforms"}
 
 
-def _num(x: float) -> str:
-    """A float as an exact SQL DOUBLE literal (repr round-trips)."""
-    return f"CAST({float(x)!r} AS DOUBLE)"
-
-
-# ---------------------------------------------------------------- final: role advantage (EMA)
-
-@dataclass(frozen=True)
-class RoleAdvantageFormatter:
-    """A = r - b with b <- (1-tau) b + tau r per pid over games in (round, game_id) order, b0 = 0.
-
-    The baseline of learner seats is fed by learner seats only (opponents get separate EMAs).
-
-    The EMA is a linear recurrence, b_n = tau * sum_k (1-tau)^(n-k) r_k, so it is a windowed sum.
-    Weights (1-tau)^-k overflow for long histories, so rows are cut into blocks of K where
-    (1-tau)^K < 1e-18: inside a block the weights stay below 1e18, and a block only needs the
-    previous block's last b (anything older has decayed below double precision).
-    """
-    tau: float = 0.001
-    stage: ClassVar[str] = "final"
-    keys: ClassVar[str] = "is_learner, pid"  # `final` holds opponents' seats too; they get their own EMA
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.tau < 1.0:
-            raise ValueError(f"tau must be in (0, 1), got {self.tau}")
-
-    def sql(self, src: str) -> str:
-        q, tau, keys = 1.0 - self.tau, self.tau, self.keys
-        block = max(1, math.ceil(18 * math.log(10) / -math.log(q)))
-        b_end = f"{_num(tau)} * pow({_num(q)}, _i) * _cs"
-        return f"""SELECT * EXCLUDE (_n, _i, _j, _cs, _prev)
-    REPLACE (reward - ({b_end} + coalesce(pow({_num(q)}, _i + 1) * _prev, 0)) AS reward)
-  FROM (SELECT *, last_value(CASE WHEN _i = {block - 1} THEN {b_end} END IGNORE NULLS)
-                    OVER (PARTITION BY {keys} ORDER BY _n ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS _prev
-        FROM (SELECT *, sum(reward * pow({_num(q)}, -_i))
-                          OVER (PARTITION BY {keys}, _j ORDER BY _n ROWS UNBOUNDED PRECEDING) AS _cs
-              FROM (SELECT *, _n % {block} AS _i, _n // {block} AS _j
-                    FROM (SELECT *, row_number() OVER (PARTITION BY {keys} ORDER BY round, game_id) - 1 AS _n
-                          FROM {src}))))"""
-
-
-@dataclass(frozen=True)
-class RoleAdvantageByEnvFormatter(RoleAdvantageFormatter):
-    """RoleAdvantageFormatter with one baseline per (env_id, pid)."""
-    keys: ClassVar[str] = "is_learner, env_id, pid"
+# ---------------------------------------------------------------- final: role advantage (EMA): ema.py
 
 
 @dataclass(frozen=True)
@@ -120,8 +86,8 @@ class RewardForFormat:
     stage: ClassVar[str] = "step"
 
     def sql(self, src: str) -> str:
-        return (f"SELECT * REPLACE (reward + CASE WHEN coalesce(format_ok, false) THEN {_num(self.reward)} "
-                f"ELSE {_num(self.penalty)} END AS reward) FROM {src}")
+        return (f"SELECT * REPLACE (reward + CASE WHEN coalesce(format_ok, false) THEN {sql_num(self.reward)} "
+                f"ELSE {sql_num(self.penalty)} END AS reward) FROM {src}")
 
 
 @dataclass(frozen=True)
@@ -132,8 +98,8 @@ class PenaltyForInvalidMove:
     stage: ClassVar[str] = "step"
 
     def sql(self, src: str) -> str:
-        return (f"SELECT * REPLACE (reward + CASE WHEN coalesce(invalid_move, false) THEN {_num(self.penalty)} "
-                f"ELSE {_num(self.reward)} END AS reward) FROM {src}")
+        return (f"SELECT * REPLACE (reward + CASE WHEN coalesce(invalid_move, false) THEN {sql_num(self.penalty)} "
+                f"ELSE {sql_num(self.reward)} END AS reward) FROM {src}")
 
 
 # ---------------------------------------------------------------- sampling: over the batch
@@ -279,36 +245,30 @@ ROUND_COLUMNS = ("temperature", "top_p")
 _UNITS = {"seat": "round, game_id, pid", "group": "group_id, pid"}
 
 
-def _sql_str(s: str) -> str:
-    return "'" + s.replace("'", "''") + "'"
-
-
 def batch_query(run_name: str, rounds: Sequence[int], batch_size: int, seed: int,
                 final: Sequence[Transform], step: Sequence[Transform], sampling: Sequence[Transform],
-                unit: str = "turn") -> str:
+                unit: str = "turn", state: Optional[int] = None) -> str:
     """The ONE query returning the learner's batch for the given (already resolved) window.
 
     `unit` is what is sampled: single turns (REINFORCE), whole seats of a game (A2C needs a seat's
     turns in order for GAE) or whole (group_id, pid) groups (GRPO normalises inside a group).
+    `state`: a round < min(rounds) whose role-advantage state the lake holds (ema.find_state): the
+    final transforms then scan only the rounds after it; None scans the run's whole history.
     """
     if not rounds:
         raise ValueError("empty window")
     rounds_sql = ", ".join(str(int(r)) for r in sorted(rounds))
-    # All seats of train games: filtering is_learner here (a field of the unnested struct) makes
-    # DuckDB's join below ~10x slower; learner rows are picked on the turns side instead. Final
-    # transforms see the run's history up to the window (role advantage is an EMA over all past
-    # games); without any, the window's games suffice, and the query's cost stays flat in the rounds.
-    history = f"round <= {max(rounds)}" if final else f"round IN ({rounds_sql})"
-    ctes = [("final_0", f"""SELECT run, round, game_id, env_id, seed, pid, role, model_uid, is_learner,
-         reward AS env_reward, reward
-  FROM seats
-  WHERE run = {_sql_str(run_name)} AND split = 'train' AND {history}""")]
-    _chain(ctes, "final", final, "final_0")
+    if state is not None and state >= min(rounds):
+        raise ValueError(f"a state at round {state} cannot start a window from round {min(rounds)}")
+    # Final transforms see the run's history up to the window (role advantage is an EMA over all
+    # past games, or over the games after its stored state); without any, the window's games
+    # suffice, and the query's cost stays flat in the rounds.
+    ctes = _final(run_name, _history(max(rounds), state) if final else f"round IN ({rounds_sql})", state, final)
     cols = ", ".join(f"t.{c}" for c in STEP_COLUMNS)
     ctes.append(("steps_0", f"""SELECT f.run, f.round, f.game_id, f.env_id, f.seed, f.pid, f.role, {cols},
          f.env_reward, f.reward AS final_reward, f.reward
   FROM turns t JOIN final f ON t.run = f.run AND t.round = f.round AND t.game_id = f.game_id AND t.pid = f.pid
-  WHERE t.run = {_sql_str(run_name)} AND t.round IN ({rounds_sql}) AND t.split = 'train' AND t.is_learner
+  WHERE t.run = {sql_str(run_name)} AND t.round IN ({rounds_sql}) AND t.split = 'train' AND t.is_learner
     AND t.prompt_tokens > 0"""))
     _chain(ctes, "steps", step, "steps_0")
     if unit == "turn":
@@ -327,17 +287,71 @@ def batch_query(run_name: str, rounds: Sequence[int], batch_size: int, seed: int
     ctes.append(("batch_0", f"""SELECT b.*, {text}
   FROM sample b JOIN turns t ON t.run = b.run AND t.round = b.round AND t.game_id = b.game_id AND t.turn = b.turn
     JOIN rounds r ON r.run = b.run AND r.round = b.round
-  WHERE t.run = {_sql_str(run_name)} AND t.round IN ({rounds_sql})"""))
+  WHERE t.run = {sql_str(run_name)} AND t.round IN ({rounds_sql})"""))
     _chain(ctes, "batch", sampling, "batch_0")
     return f"{_with(ctes)}\nSELECT * EXCLUDE (reward), reward AS advantage FROM batch\nORDER BY round, game_id, turn, pid"
 
 
-def _chain(ctes: list[tuple[str, str]], name: str, transforms: Sequence[Transform], start: str) -> None:
-    """Append one CTE per transform, each reading the previous, and `name` for the last."""
-    prev = start
-    for i, t in enumerate(transforms, 1):
-        ctes.append((f"{name}_{i}", t.sql(prev)))
-        prev = f"{name}_{i}"
+def _history(upto: int, state: Optional[int]) -> str:
+    """The rounds the final chain reads: all up to `upto`, or those after the stored state's."""
+    return f"round <= {int(upto)}" if state is None else f"round > {int(state)} AND round <= {int(upto)}"
+
+
+def _final(run_name: str, history: str, state: Optional[int], final: Sequence[Transform]) -> list[tuple[str, str]]:
+    """The CTEs final_0 .. final: seats of the run's train games of the `history` rounds, through
+    the final chain (stateful transforms starting from their state after round `state`)."""
+    # All seats of train games: filtering is_learner here (a field of the unnested struct) makes
+    # DuckDB's join below ~10x slower; learner rows are picked on the turns side instead.
+    ctes = [("final_0", f"""SELECT run, round, game_id, env_id, seed, pid, role, model_uid, is_learner,
+         reward AS env_reward, reward
+  FROM seats
+  WHERE run = {sql_str(run_name)} AND split = 'train' AND {history}""")]
+    _chain(ctes, "final", final, "final_0", _states(run_name, state, final))
+    return ctes
+
+
+def _states(run_name: str, state: Optional[int], final: Sequence[Transform]) -> dict[int, tuple[str, str]]:
+    """{position in the final chain: (CTE name, SQL) of its stored state} when starting from `state`."""
+    if state is None:
+        return {}
+    return {i: (f"final_{i + 1}_state", state_cte(run_name, state, t, sig)) for i, t, sig in stateful(final)}
+
+
+def state_query(run_name: str, upto: int, state: Optional[int], final: Sequence[Transform]) -> str:
+    """The rows of `baselines` after round `upto` (columns: round, transform, is_learner, env_id,
+    pid, games, b): the final chain of the batch query, over the same games, ended at each
+    stateful transform's input by its `state_sql`."""
+    ctes = _final(run_name, _history(upto, state), state, final)
+    states = _states(run_name, state, final)
+    parts = [f"SELECT {int(upto)} AS round, {sql_str(sig)} AS transform, * FROM ("
+             f"{t.state_sql(f'final_{i}', states[i][0] if i in states else None)})"
+             for i, t, sig in stateful(final)]
+    return f"{_with(ctes)}\n" + "\nUNION ALL BY NAME\n".join(parts)
+
+
+def state_rows(con: duckdb.DuckDBPyConnection, run_name: str, rounds: Sequence[int], final: Sequence[Transform]):
+    """What a learner iteration over `rounds` commits to `baselines` (None: no stateful transform):
+    the state after max(rounds), continued from the state its batches started from."""
+    if not stateful(final):
+        return None
+    try:
+        return con.sql(state_query(run_name, max(rounds), find_state(con, run_name, rounds, final), final)).to_arrow_table()
+    except duckdb.Error as e:
+        raise JobError(f"learn.final_transforms: the baselines query failed ({str(e).splitlines()[0]})") from None
+
+
+def _chain(ctes: list[tuple[str, str]], name: str, transforms: Sequence[Transform], start: str,
+           states: Optional[dict[int, tuple[str, str]]] = None) -> None:
+    """Append one CTE per transform, each reading the previous, and `name` for the last;
+    `states`: {position: (name, SQL)} of stored states a stateful transform starts from."""
+    prev, states = start, states or {}
+    for i, t in enumerate(transforms):
+        if i in states and isinstance(t, RoleAdvantageFormatter):
+            ctes.append(states[i])
+            ctes.append((f"{name}_{i + 1}", t.sql(prev, states[i][0])))
+        else:
+            ctes.append((f"{name}_{i + 1}", t.sql(prev)))
+        prev = f"{name}_{i + 1}"
     ctes.append((name, f"SELECT * FROM {prev}"))
 
 
