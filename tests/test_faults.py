@@ -76,7 +76,10 @@ def test_driver_killed_mid_round_then_rerun(tmp_path):
     p = subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     games_dir = tmp_path / "lake/games/run=demo/round=0"
-    deadline = time.time() + 180
+    # The first file comes ~10 s after the start on a quiet 2-core machine; with both cores taken by
+    # a vLLM run's pinned engines (load average ~15) 180 s was not enough (a CI run here, 2026-11-25).
+    # Waiting longer costs nothing when it comes early; the round itself lasts far longer than a poll.
+    deadline = time.time() + 420
     while time.time() < deadline and not list(games_dir.glob("*.parquet")):
         time.sleep(0.2)
     assert list(games_dir.glob("*.parquet")), "the round never started writing"
