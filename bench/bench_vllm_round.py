@@ -118,8 +118,9 @@ def _play(job, client) -> dict:
         if max(n):
             conc = min(job.round.concurrency, len(n))  # all of a task's games start at once when they fit
             bound[task] = sum(n) / (conc * max(n)) if len(n) <= conc else None
-    [(fed, made)] = Lake(job.run.lake).sql("""SELECT sum(prompt_tokens), sum(completion_tokens) FROM turns
-        WHERE round = ? AND prompt IS NOT NULL""", params=[s.round]).fetchall()
+    [sums] = Lake(job.run.lake).sql("""SELECT sum(prompt_tokens) AS fed, sum(completion_tokens) AS made FROM turns
+        WHERE round = ? AND prompt IS NOT NULL""", params=[s.round]).to_pylist()
+    fed, made = int(sums["fed"] or 0), int(sums["made"] or 0)  # DuckDB sums integers as HUGEINT (Decimal here)
     return {"games": s.games, "turns": s.turns, **_tasks(_model_tasks(s.tasks), s.wall_s),
             "tok_s": s.tokens_per_s, "tasks": s.tasks, "in_flight_bound": bound,
             "prompt_tokens_fed": fed, "completion_tokens_made": made}
