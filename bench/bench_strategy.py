@@ -29,13 +29,12 @@ from common import row, save  # noqa: E402
 # The learner's eval decisions in Kuhn Poker, by the legal actions of the hand being played (the
 # observation holds the whole game, so the last "available actions" line is the current one).
 KUHN_SQL = r"""
-SELECT round, avg((move = 'bet')::DOUBLE) FILTER (WHERE legal = '''[check]'', ''[bet]''') AS bet_share,
-       count(*) FILTER (WHERE legal = '''[check]'', ''[bet]''') AS bet_legal_turns,
-       avg((move = 'fold')::DOUBLE) FILTER (WHERE legal = '''[fold]'', ''[call]''') AS fold_share,
-       count(*) FILTER (WHERE legal = '''[fold]'', ''[call]''') AS facing_bet_turns
+SELECT round, avg((move = 'bet')::DOUBLE) FILTER (WHERE can_bet) AS bet_share, count(*) FILTER (WHERE can_bet) AS bet_legal_turns,
+       avg((move = 'fold')::DOUBLE) FILTER (WHERE facing_bet) AS fold_share, count(*) FILTER (WHERE facing_bet) AS facing_bet_turns
 FROM (SELECT round, regexp_extract(lower(action), '\[(check|bet|call|fold)\]', 1) AS move,  -- the env's reading
-             regexp_extract(observation, '(?s).*available actions are: ([^\n]*)', 1) AS legal
-      FROM turns WHERE run = ? AND split = 'eval' AND is_learner AND env_id LIKE 'KuhnPoker%')
+             contains(legal, '[bet]') AS can_bet, contains(legal, '[fold]') AS facing_bet
+      FROM (SELECT round, action, regexp_extract(observation, '(?s).*available actions are: ([^\n]*)', 1) AS legal
+            FROM turns WHERE run = ? AND split = 'eval' AND is_learner AND env_id LIKE 'KuhnPoker%'))
 GROUP BY round"""
 
 
