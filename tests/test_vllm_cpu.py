@@ -137,6 +137,50 @@ def test_vllm_cpu_lora_hot_swap(engine, adapters):
     assert engine.vm.lora_ids == {(a.name, a.path): 1, (b.name, b.path): 2}
 
 
+def test_vllm_cpu_serves_a_lone_adapter_from_merged_weights(engine, adapters, tmp_path):
+    """model.vllm.merge_adapter (auto: on a CPU, where vLLM's LoRA layers are PyTorch fallbacks): when a task
+    uses one adapter, `prepare` reloads the weights in place as base + its deltas; its requests then skip
+    the LoRA layers and sample what they would: the same greedy texts, and behaviour log-probs that a
+    plain fp32 forward pass of peft's own merge reproduces (logprob_check). A request for another adapter
+    puts the base weights back first, and the prefix cache never serves blocks of other weights."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from unstable_dask.inference.engine import encode_prompts, get_engine, prompt_budget
+    from unstable_dask.inference.weights import resolve_model
+    a, b = adapters
+    vm, ps = engine.vm, sample_prompts(engine)
+    assert vm.merge and vm.merged is None
+    engine.prepare({None, a})  # two kinds of seats: the base weights stay, adapters go through LoRA
+    assert vm.merged is None
+    reloads = vm.reloads
+    base, lora_a, lora_b = texts(engine.generate(ps)), texts(engine.generate(ps, adapter=a)), texts(engine.generate(ps, adapter=b))
+    engine.prepare({a})
+    engine.prepare({a})
+    assert vm.merged == a and vm.reloads == reloads + 1  # once, however often the tasks ask
+    out = engine.generate(ps, adapter=a)
+    assert texts(out) == lora_a and all(g.adapter_path == a.path for g in out)
+
+    cfg = _model(temperature=0.7, top_p=0.95, max_new_tokens=24)
+    hot = get_engine(cfg)
+    assert hot.vm is vm
+    gens = hot.generate(ps * 3, adapter=a, seed=5)
+    peft_merged = tmp_path / "peft-merged"
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(resolve_model("builtin:tiny"), dtype=torch.float32),
+                              a.path).merge_and_unload().save_pretrained(peft_merged)
+    logits, targets, _ = completion_logits(str(peft_merged), encode_prompts(engine.tokenizer, ps * 3, prompt_budget(cfg)),
+                                           gens)
+    logprob_check.check(logits, targets, torch.tensor([x for g in gens for x in g.logprobs]), 0.7, 0.95)
+
+    assert texts(engine.generate(ps, adapter=b)) == lora_b  # waits, puts the base back, then LoRA
+    assert vm.merged is None and vm.reloads == reloads + 2
+    engine.prepare({a})
+    assert texts(engine.generate(ps, adapter=a)) == lora_a
+    # a's merged weights filled the prefix cache under "no adapter": a base request must not reuse them
+    assert texts(engine.generate(ps)) == base and vm.merged is None and vm.reloads == reloads + 4
+
+
 def _child_pids() -> list[int]:
     return [p.pid for p in psutil.Process().children(recursive=True)]
 

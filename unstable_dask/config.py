@@ -134,6 +134,10 @@ class VllmConfig(_Strict):
     max_num_seqs: int = Field(256, gt=0)
     enforce_eager: bool = False
     enable_sleep_mode: bool = True
+    # Serve a task's lone adapter from weights with its LoRA deltas merged in (reloaded in place when
+    # the task starts), not through vLLM's LoRA layers. auto: on a CPU, where those layers run as
+    # PyTorch fallbacks (a SmolLM2 round with an adapter ran at 0.4 of the base's tok/s), not on a GPU.
+    merge_adapter: Union[Literal["auto"], bool] = "auto"
     # Passed verbatim to vllm.LLM(...), for options this file does not name.
     extra: dict[str, Any] = {}
 

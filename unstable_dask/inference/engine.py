@@ -2,12 +2,15 @@
 
 `get_engine(cfg)` returns the process's engine for a `ModelConfig`; the weights are loaded once per
 (model, dtype) and every task/round of a Dask worker reuses them. LoRA adapters are hot-swapped by
-name on top of the resident base model, which is never reloaded for an adapter.
+name on top of the resident base model, which is never loaded twice (vllm-cpu reloads its weights
+in place as base + a task's lone adapter, vllm_engine.py).
 
 Backends, one module each, imported only when asked for (BACKENDS): `hf` (transformers
 `generate`, CPU or one GPU; hf.py) and `vllm` (vLLM's engine; vllm_engine.py). Each has
 `make_engine(cfg) -> Engine`. `model.backend = "auto"` picks one where the engine starts
-(`pick_backend`): vLLM where it is installed and runs, else hf.
+(`pick_backend`): vLLM where it is installed and runs, else hf. Beside the protocol, an engine may
+have `agenerate` (one prompt as a coroutine: play/task.py then plays per game) and
+`prepare(adapters)` (the adapters a task is about to use: vllm-cpu merges a lone one into its weights).
 """
 from __future__ import annotations
 

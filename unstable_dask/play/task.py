@@ -332,6 +332,9 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
     if way is None:
         way = "per-game" if engines and all(hasattr(e, "agenerate") for e in engines.values()) else "lock-step"
     play = _Task(task, model_cfg, round_cfg, engines, endpoints or {}, progress)
+    for base, engine in engines.items():
+        if hasattr(engine, "prepare"):  # the adapters its seats use: vllm-cpu merges a lone one into its weights
+            engine.prepare({play.adapter(s) for g in task.games for s in g.seats if s.plays == "engine" and s.base == base})
     t0 = time.perf_counter()
     if way == "per-game":
         aio.run(play.per_game())

