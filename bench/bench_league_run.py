@@ -1,11 +1,13 @@
 """A real league's verdict on a learning run, read from the lake: does the rating rise with training?
 
 For a league job (e.g. jobs/league-smollm2.toml, after `run league`), its latest ratings: per
-entrant the anchored Bradley-Terry rating with its bootstrap interval; for the run's curve (the
-base model at iteration 0, then each checkpoint at its learner iteration) the Spearman rank
-correlation between iteration and rating, and how many consecutive points of the curve are
-separated by their intervals (the later one's interval entirely above or below the earlier
-one's). Also the league's cost: games played. Writes bench/results/<name>.json and <name>.svg.
+entrant the anchored Bradley-Terry rating with its bootstrap interval; for each run whose
+checkpoints entered (one line each in the plot, so two runs compare on one scale), its curve (the
+base model at iteration 0, then each checkpoint at its learner iteration): the Spearman rank
+correlation between iteration and rating, how many consecutive points of the curve are separated
+by their intervals (the later one's interval entirely above or below the earlier one's), and
+whether the last checkpoint's interval lies above the base model's. Also the league's cost: games
+played. Writes bench/results/<name>.json and <name>.svg.
 
     python bench/bench_league_run.py --job jobs/league-smollm2.toml [--set KEY=VALUE ...] [--name league_run]
 """
@@ -28,8 +30,6 @@ def main() -> None:
     ap.add_argument("--name", default="league_run")
     args = ap.parse_args()
 
-    from scipy.stats import spearmanr
-
     from unstable_dask.cli import parse_set
     from unstable_dask.jobfile import load_job
     from unstable_dask.lake import Lake
@@ -42,22 +42,24 @@ def main() -> None:
                                   params=[league, league]).to_pylist()
     if not rows:
         raise SystemExit(f"no ratings of league {league!r} in {job.run.lake}: run `run league --job {args.job}` first")
-    curve = sorted((r for r in rows if (r["kind"] == "checkpoint" and r["source_run"] == job.run.name)
-                    or (r["kind"] == "base" and r["base_model"] is not None)), key=lambda r: r["iteration"])
-    rho = (float(spearmanr([r["iteration"] for r in curve], [r["rating"] for r in curve]).statistic)
-           if len(curve) > 1 else None)
-    apart = sum(1 for a, b in zip(curve, curve[1:]) if None not in (a["rating_low"], b["rating_low"])
-                and (b["rating_low"] > a["rating_high"] or b["rating_high"] < a["rating_low"]))
+    base = [r for r in rows if r["kind"] == "base" and r["base_model"] is not None]
+    runs = sorted({r["source_run"] for r in rows if r["kind"] == "checkpoint"}, key=lambda n: (n != job.run.name, n))
+    curves = {name: _curve(sorted([r for r in rows if r["kind"] == "checkpoint" and r["source_run"] == name] + base,
+                                  key=lambda r: r["iteration"])) for name in runs}
     games = Lake(job.run.lake).sql("SELECT count(*) AS n FROM games WHERE run = ?", params=[league]).to_pylist()[0]["n"]
+    own = curves.get(job.run.name, _curve(base))
     out = {"job": args.job, "overrides": args.set, "league": league, "passes": rows[0]["passes"], "games": games,
-           "entrants": [{k: r[k] for k in ("entrant", "kind", "iteration", "rating", "rating_low", "rating_high",
-                                           "games", "wins", "draws", "losses", "rank", "separated")} for r in rows],
-           "curve_spearman": rho, "curve_points": len(curve), "curve_adjacent_separated": apart}
+           "entrants": [{k: r[k] for k in ("entrant", "kind", "source_run", "iteration", "rating", "rating_low",
+                                           "rating_high", "games", "wins", "draws", "losses", "rank", "separated")}
+                        for r in rows],
+           "curve_spearman": own["spearman"], "curve_points": own["points"],
+           "curve_adjacent_separated": own["adjacent_separated"],
+           "curves": {name: {k: v for k, v in c.items() if k != "rows"} for name, c in curves.items()}}
     chart = charts.line(
-        {"rating": [(r["iteration"], r["rating"]) for r in curve]}, "learner iteration (0: the base model)",
-        "league rating (Elo scale, random = anchor)", width=480, height=260,
-        bands={"rating": [(r["iteration"], r["rating_low"], r["rating_high"]) for r in curve
-                          if r["rating_low"] is not None]})
+        {name: [(r["iteration"], r["rating"]) for r in c["rows"]] for name, c in curves.items()},
+        "learner iteration (0: the base model)", "league rating (Elo scale, random = anchor)", width=480, height=260,
+        bands={name: [(r["iteration"], r["rating_low"], r["rating_high"]) for r in c["rows"] if r["rating_low"] is not None]
+               for name, c in curves.items()})
     if chart is not None:
         (RESULTS / f"{args.name}.svg").write_text(charts.svg(chart, f"League {league}: rating vs iteration"),
                                                   encoding="utf-8")
@@ -69,8 +71,29 @@ def main() -> None:
         ci = f" [{r['rating_low']:.0f}, {r['rating_high']:.0f}]" if r["rating_low"] is not None else ""
         print(row(r["rank"], r["entrant"], "" if r["iteration"] is None else r["iteration"], f"{r['rating']:.0f}{ci}",
                   f"{r['games']} ({r['wins']}-{r['draws']}-{r['losses']})"))
-    print(f"Spearman(iteration, rating) over {len(curve)} points: {rho if rho is None else round(rho, 3)}; "
-          f"{apart} of {max(len(curve) - 1, 0)} consecutive points separated; {games} games; -> {path}")
+    for name, c in curves.items():
+        rho = c["spearman"]
+        print(f"{name}: Spearman(iteration, rating) over {c['points']} points: {rho if rho is None else round(rho, 3)}; "
+              f"{c['adjacent_separated']} of {max(c['points'] - 1, 0)} consecutive points separated; last "
+              f"checkpoint's interval above the base model's: {c['last_above_base']}")
+    print(f"{games} games -> {path}")
+
+
+def _curve(points: list[dict]) -> dict:
+    """A run's strength curve (the base model at iteration 0, then its checkpoints): Spearman correlation of
+    iteration and rating, consecutive points whose intervals are apart, and whether the last checkpoint's
+    interval lies entirely above the base model's."""
+    from scipy.stats import spearmanr
+    rho = (float(spearmanr([r["iteration"] for r in points], [r["rating"] for r in points]).statistic)
+           if len(points) > 1 else None)
+    apart = sum(1 for a, b in zip(points, points[1:]) if None not in (a["rating_low"], b["rating_low"])
+                and (b["rating_low"] > a["rating_high"] or b["rating_high"] < a["rating_low"]))
+    first, last = (points[0], points[-1]) if points else (None, None)
+    above = (None if len(points) < 2 or first["iteration"] != 0 or None in (first["rating_high"], last["rating_low"])
+             else bool(last["rating_low"] > first["rating_high"]))
+    return {"rows": points, "points": len(points), "spearman": rho, "adjacent_separated": apart,
+            "last_above_base": above,
+            "last": None if last is None else {k: last[k] for k in ("entrant", "rating", "rating_low", "rating_high")}}
 
 
 if __name__ == "__main__":

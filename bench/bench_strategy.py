@@ -1,6 +1,8 @@
 """Strategy, not only legal moves: every run of a lake against the right baseline, read from the lake.
 
-For each run (its whole validated job, from the lake's `rounds.job`), per round: the eval win rate (draws half)
+For each run (its whole validated job, from the lake's `rounds.job`): its wall minutes from the first
+round's start to the last commit (pauses of a resumed run included), the minutes its rounds took and
+its learner's optimizer updates took (no pauses, no engine or learner start-up); per round: the eval win rate (draws half)
 against each fixed opponent with its Wilson 95% interval, the same games' `legal-random` baseline
 (round.eval_baseline: the random agent, which plays legal moves, in the learner's seats on the
 same seeds) with its interval, format success and invalid-move rate of the learner's eval turns,
@@ -46,6 +48,9 @@ def run_rows(con, run_name: str) -> dict:
     last_ckpt = con.sql("SELECT max(created_at) FROM checkpoints WHERE run = ?", params=[run_name]).fetchall()[0][0]
     end = max(t for t in (meta[1], last_ckpt) if t is not None)
     job = json.loads(meta[2])
+    # The wall span includes any pause of a run resumed later; the time spent playing and updating does not.
+    [(play_s, learn_s)] = con.sql("""SELECT (SELECT sum(epoch(committed_at) - epoch(started_at)) FROM rounds WHERE run = $1),
+        (SELECT sum(step_time_s) FROM learner_steps WHERE run = $1)""", params=[run_name]).fetchall()
     kuhn = {r[0]: r[1:] for r in con.sql(KUHN_SQL, params=[run_name]).fetchall()}
     rounds = []
     for k in sorted({r["round"] for r in rows}):
@@ -65,7 +70,8 @@ def run_rows(con, run_name: str) -> dict:
                                        "kuhn_facing_bet_turns"), kuhn[k]))
     return {"run": run_name, "job": job, "seed": job["run"]["seed"],
             "algorithm": job["learn"]["algorithm"], "model": job["model"]["base"],
-            "wall_minutes": (end - meta[0]).total_seconds() / 60, "rounds": rounds}
+            "wall_minutes": (end - meta[0]).total_seconds() / 60, "play_minutes": (play_s or 0) / 60,
+            "update_minutes": (learn_s or 0) / 60, "rounds": rounds}
 
 
 def main() -> None:
@@ -83,12 +89,12 @@ def main() -> None:
         finally:
             con.close()
     save("strategy", {"runs": runs})
-    print(row("run", "seed", "algorithm", "minutes", "round", "eval win rate [95% CI]", "legal-random [95% CI]",
+    print(row("run", "seed", "algorithm", "minutes: wall (playing + updating)", "round", "eval win rate [95% CI]", "legal-random [95% CI]",
               "above", "format", "invalid"))
     for r in runs:
         for x in r["rounds"][-1:]:
             lr = x["legal_random_ci"]
-            print(row(r["run"], r["seed"], r["algorithm"], f"{r['wall_minutes']:.0f}", x["round"],
+            print(row(r["run"], r["seed"], r["algorithm"], f"{r['wall_minutes']:.0f} ({r['play_minutes'] + r['update_minutes']:.0f})", x["round"],
                       f"{x['win_rate']:.2f} [{x['win_rate_ci'][0]:.2f}, {x['win_rate_ci'][1]:.2f}]",
                       f"{x['legal_random_win_rate']:.2f} [{lr[0]:.2f}, {lr[1]:.2f}]" if lr else "not played",
                       "yes" if x["above_baseline"] else "no", f"{x['format_success'] or 0:.2f}",
