@@ -37,15 +37,10 @@ def main() -> None:
     job = load_job(args.job, parse_set(args.set))
     assert job.league is not None, f"{args.job} has no [league]"
     league = job.league_name
-    rows = Lake(job.run.lake).sql("""SELECT * FROM league_ratings WHERE run = ?
-        AND passes = (SELECT max(passes) FROM league_ratings WHERE run = ?) ORDER BY rank""",
-                                  params=[league, league]).to_pylist()
+    rows, curves = league_curves(Lake(job.run.lake), league, first=job.run.name)
     if not rows:
         raise SystemExit(f"no ratings of league {league!r} in {job.run.lake}: run `run league --job {args.job}` first")
     base = [r for r in rows if r["kind"] == "base" and r["base_model"] is not None]
-    runs = sorted({r["source_run"] for r in rows if r["kind"] == "checkpoint"}, key=lambda n: (n != job.run.name, n))
-    curves = {name: _curve(sorted([r for r in rows if r["kind"] == "checkpoint" and r["source_run"] == name] + base,
-                                  key=lambda r: r["iteration"])) for name in runs}
     games = Lake(job.run.lake).sql("SELECT count(*) AS n FROM games WHERE run = ?", params=[league]).to_pylist()[0]["n"]
     own = curves.get(job.run.name, _curve(base))
     out = {"job": args.job, "overrides": args.set, "league": league, "passes": rows[0]["passes"], "games": games,
@@ -79,6 +74,18 @@ def main() -> None:
     print(f"{games} games -> {path}")
 
 
+def league_curves(lake, league: str, first: str = "") -> tuple[list[dict], dict[str, dict]]:
+    """A league's latest ratings (best first) and, per run whose checkpoints entered (run `first` first),
+    its curve (`_curve`: the base model at iteration 0, then each checkpoint)."""
+    rows = lake.sql("""SELECT * FROM league_ratings WHERE run = ?
+        AND passes = (SELECT max(passes) FROM league_ratings WHERE run = ?) ORDER BY rank""",
+                    params=[league, league]).to_pylist()
+    base = [r for r in rows if r["kind"] == "base" and r["base_model"] is not None]
+    runs = sorted({r["source_run"] for r in rows if r["kind"] == "checkpoint"}, key=lambda n: (n != first, n))
+    return rows, {name: _curve(sorted([r for r in rows if r["kind"] == "checkpoint" and r["source_run"] == name] + base,
+                                      key=lambda r: r["iteration"])) for name in runs}
+
+
 def _curve(points: list[dict]) -> dict:
     """A run's strength curve (the base model at iteration 0, then its checkpoints): Spearman correlation of
     iteration and rating, consecutive points whose intervals are apart, and whether the last checkpoint's
@@ -88,12 +95,13 @@ def _curve(points: list[dict]) -> dict:
            if len(points) > 1 else None)
     apart = sum(1 for a, b in zip(points, points[1:]) if None not in (a["rating_low"], b["rating_low"])
                 and (b["rating_low"] > a["rating_high"] or b["rating_high"] < a["rating_low"]))
-    first, last = (points[0], points[-1]) if points else (None, None)
-    above = (None if len(points) < 2 or first["iteration"] != 0 or None in (first["rating_high"], last["rating_low"])
-             else bool(last["rating_low"] > first["rating_high"]))
+    keys = ("entrant", "rating", "rating_low", "rating_high")
+    last = {k: points[-1][k] for k in keys} if points else None
+    base = {k: points[0][k] for k in keys} if points and points[0]["iteration"] == 0 else None
+    above = (None if len(points) < 2 or base is None or last is None or None in (base["rating_high"], last["rating_low"])
+             else bool(last["rating_low"] > base["rating_high"]))
     return {"rows": points, "points": len(points), "spearman": rho, "adjacent_separated": apart,
-            "last_above_base": above,
-            "last": None if last is None else {k: last[k] for k in ("entrant", "rating", "rating_low", "rating_high")}}
+            "last_above_base": above, "last": last, "base": base}
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ same seeds) with its interval, format success and invalid-move rate of the learn
 and whether the learner's interval lies entirely above the baseline's. On Kuhn Poker, where the
 best reply to the random agent is simple to state (bet when you may, never fold:
 bench_kuhn_policies.py), also what the learner chose: the share of its eval decisions with
-`[bet]` legal that bet, and of those facing a bet that fold. Nothing is typed by hand:
+`[bet]` legal that bet, and of those facing a bet that fold. Every league of the lake that ranked
+the run's checkpoints (a self-play run's verdict) adds its Spearman correlation of iteration and
+rating and the last checkpoint's and base model's ratings with intervals. Nothing is typed by hand:
 run it again on the same lakes and the file is the same.
 
     python bench/bench_strategy.py --lake lake [--lake other-lake ...] [--runs NAME ...]
@@ -38,6 +40,21 @@ FROM (SELECT round, regexp_extract(lower(action), '\[(check|bet|call|fold)\]', 1
       FROM (SELECT round, action, regexp_extract(observation, '(?s).*available actions are: ([^\n]*)', 1) AS legal
             FROM turns WHERE run = ? AND split = 'eval' AND is_learner AND env_id LIKE 'KuhnPoker%'))
 GROUP BY round"""
+
+
+def league_rows(lake, run_name: str) -> list[dict]:
+    """Every league of the lake that ranked this run's checkpoints: the run's curve there (Spearman of
+    iteration and rating, the last checkpoint's and the base model's ratings with intervals)."""
+    from bench_league_run import league_curves
+    names = [r["run"] for r in lake.sql("SELECT DISTINCT run FROM league_ratings WHERE source_run = ? ORDER BY run",
+                                        params=[run_name]).to_pylist()]
+    out = []
+    for league in names:
+        c = league_curves(lake, league)[1][run_name]
+        out.append({"league": league, "points": c["points"], "spearman": c["spearman"],
+                    "adjacent_separated": c["adjacent_separated"], "last_above_base": c["last_above_base"],
+                    "last_checkpoint": c["last"], "base_model": c["base"]})
+    return out
 
 
 def run_rows(con, run_name: str) -> dict:
@@ -70,6 +87,7 @@ def run_rows(con, run_name: str) -> dict:
                                        "kuhn_facing_bet_turns"), kuhn[k]))
     return {"run": run_name, "job": job, "seed": job["run"]["seed"],
             "algorithm": job["learn"]["algorithm"], "model": job["model"]["base"],
+            "opponents": job["round"]["opponents"]["strategy"],
             "wall_minutes": (end - meta[0]).total_seconds() / 60, "play_minutes": (play_s or 0) / 60,
             "update_minutes": (learn_s or 0) / 60, "rounds": rounds}
 
@@ -84,8 +102,9 @@ def main() -> None:
     for uri in args.lake:
         con = Lake(uri).connect()
         try:
-            names = args.runs or [r for (r,) in con.sql("SELECT DISTINCT run FROM rounds ORDER BY run").fetchall()]
-            runs += [dict(run_rows(con, n), lake=uri) for n in names]
+            names = args.runs or [r for (r,) in con.sql(
+                "SELECT DISTINCT run FROM checkpoints ORDER BY run").fetchall()]  # learning runs, not leagues
+            runs += [dict(run_rows(con, n), lake=uri, leagues=league_rows(Lake(uri), n)) for n in names]
         finally:
             con.close()
     save("strategy", {"runs": runs})
@@ -99,6 +118,18 @@ def main() -> None:
                       f"{x['legal_random_win_rate']:.2f} [{lr[0]:.2f}, {lr[1]:.2f}]" if lr else "not played",
                       "yes" if x["above_baseline"] else "no", f"{x['format_success'] or 0:.2f}",
                       f"{x['invalid_rate'] or 0:.2f}"))
+        for g in r["leagues"]:
+            rho = "n/a" if g["spearman"] is None else f"{g['spearman']:.2f}"
+            print(f"  {r['run']} in league {g['league']}: Spearman(iteration, rating) {rho} over {g['points']} points; "
+                  f"{_rated(g['last_checkpoint'])} vs base {_rated(g['base_model'])}; "
+                  f"last checkpoint above the base model: {g['last_above_base']}")
+
+
+def _rated(r: dict | None) -> str:
+    if r is None:
+        return "not rated"
+    ci = f" [{r['rating_low']:.0f}, {r['rating_high']:.0f}]" if r["rating_low"] is not None else ""
+    return f"{r['entrant']} {r['rating']:.0f}{ci}"
 
 
 if __name__ == "__main__":
