@@ -91,8 +91,9 @@ class HFModel:
         self.adapters: OrderedDict[str, tuple[str, str]] = OrderedDict()  # name -> (peft slot, path)
         self.n_slots = 0
         self.active: Optional[str] = None  # path of the adapter whose weights are active (None: base)
-        # (peft slot, [(layer, its base weight Parameter)]) while a slot's deltas are in the weights
-        self.merged: Optional[tuple[str, list[tuple[Any, Any]]]] = None
+        # (peft slot, [(parent, attribute, LoRA layer, its base weight Parameter)]) while a slot's deltas
+        # are in the weights and the LoRA layers are out of the model
+        self.merged: Optional[tuple[str, list[tuple[Any, str, Any, Any]]]] = None
         self.sleeping = False
         self.lock = threading.Lock()  # one generate at a time: the active adapter is model state
 
@@ -126,29 +127,35 @@ class HFModel:
             self.model.eval()
         self.adapters.move_to_end(adapter.name)
         slot, self.active = self.adapters[adapter.name]
+        if self.merged is not None and (not merge or self.merged[0] != slot):
+            self._merge(None)  # every LoRA layer back in the model before peft switches their slot
         self.model.set_adapter(slot)
         if not merge:
-            self._merge(None)
             return nullcontext()
         self._merge(slot)
-        return self.model.disable_adapter()  # the LoRA layers run their (merged) base layer only
+        return nullcontext()  # generate runs `generator`: the base model, the slot's LoRA layers out of it
 
     def _merge(self, slot: Optional[str]) -> None:
-        """Put base + the deltas of peft slot `slot` into the adapted layers (None: the base weights)."""
+        """Put base + the deltas of peft slot `slot` into the adapted layers (None: the base weights).
+
+        While merged, each adapted layer's plain base layer stands in the model in place of peft's
+        LoRA wrapper: generation then runs exactly the base model's modules (the wrappers' Python
+        calls, 7 per block, cost a round ~6% of the base model's speed, BENCHMARKS.md)."""
         import torch
         from peft.tuners.lora import LoraLayer
 
         if self.merged is not None and self.merged[0] == slot:
             return
         if self.merged is not None:
-            for layer, weight in self.merged[1]:
+            for parent, name, layer, weight in self.merged[1]:
                 layer.get_base_layer().weight = weight
+                setattr(parent, name, layer)
             self.merged = None
         if slot is None:
             return
         swapped = []
         with torch.no_grad():
-            for layer in self.model.modules():
+            for path, layer in list(self.model.named_modules()):
                 if isinstance(layer, LoraLayer) and (slot in layer.lora_A or slot in layer.lora_embedding_A):
                     base = layer.get_base_layer()
                     # A new Parameter, not an in-place edit: a tied weight (lm_head = embed_tokens)
@@ -157,8 +164,17 @@ class HFModel:
                     delta = cast(Any, layer).get_delta_weight(slot)  # on each LoRA layer kind, not the mixin
                     base.weight = torch.nn.Parameter(weight + delta.to(weight.dtype),
                                                      requires_grad=False)
-                    swapped.append((layer, weight))
+                    parent_path, _, name = path.rpartition(".")
+                    parent = self.model.get_submodule(parent_path)
+                    setattr(parent, name, base)
+                    swapped.append((parent, name, layer, weight))
         self.merged = (slot, swapped)
+
+    @property
+    def generator(self) -> Any:
+        """The model to generate with: while an adapter is merged, the transformers model itself (no
+        PeftModel around it; layers other adapters wrap skip their LoRA, the merged slot is active)."""
+        return self.base if self.merged is not None else self.model
 
     def to(self, device: Any) -> None:
         import torch
@@ -218,7 +234,7 @@ class HFEngine:
         recorder = _behaviour_logprob_processor(cfg.temperature, cfg.top_p)
         # The recorder already returns the behaviour distribution: generate must not warp it again.
         sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if cfg.temperature > 0 else {}
-        seqs = hf.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
+        seqs = hf.generator.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
                                  logits_processor=[recorder], eos_token_id=hf.eos_ids, pad_token_id=pad,
                                  **sampling)
         new = seqs[:, width:]
