@@ -67,20 +67,23 @@ SHAPES = {"qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidde
                              max_position_embeddings=40960, tie_word_embeddings=True)}
 
 
-def _random_model(shape: str, out: str) -> str:
-    """A random-weight model of a published architecture on the builtin tokenizer (bf16 files)."""
-    import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+def _random_model(shape: str) -> str:
+    """A random-weight model of a published architecture on the builtin tokenizer (bf16 files), built
+    once into the model cache: a rerun on the same machine reuses the files and, since vLLM keys its
+    torch.compile cache by the model's path, the compiled graphs (a cold engine start took 2 minutes
+    on an H200, 35 s of it compiling)."""
+    from unstable_dask.inference.weights import build_cached, resolve_model
 
-    from unstable_dask.inference.weights import resolve_model
-    tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny"))
-    cfg = Qwen3Config(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, **SHAPES[shape])
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    def build(out) -> None:
+        import torch
+        from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+        tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny"))
+        cfg = Qwen3Config(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id, **SHAPES[shape])
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+        tok.save_pretrained(out)
+    return str(build_cached(f"random-{shape}", build))
 
 
 def _raw_generate(model_cfg, prompts: list[str], batch: int) -> dict:
@@ -167,7 +170,7 @@ def main() -> None:
             "cluster.memory_limit": "0", "cluster.dashboard": False}
     if args.shape:
         t = time.perf_counter()
-        over["model.base"] = _random_model(args.shape, f"{tmp}/{args.shape}-random")
+        over["model.base"] = _random_model(args.shape)
         print(f"built random-weight {args.shape} in {time.perf_counter() - t:.0f} s", flush=True)
     elif args.model:
         over["model.base"] = args.model
@@ -177,8 +180,7 @@ def main() -> None:
     print(f"gpu_check: {info['nvidia_smi']} | model {job.model.base} | backend {backend}", flush=True)
     try:
         if "round" in stages:
-            result["round"] = _round_stage(job, load_job(args.job, over | {"run.lake": f"{tmp}/warm", "round.train_games": 4,
-                                                                             "round.eval_games": 0}), result)
+            result["round"] = _round_stage(job, load_job(args.job, over | {"run.lake": f"{tmp}/warm"}), result)
             save(args.out, result)  # a lease that ends during the loop still leaves the round's figures
         if "loop" in stages:
             result.update(_loop_stage(load_job(args.job, over | {"run.lake": f"{tmp}/loop", "run.name": "gpu-loop"})))
