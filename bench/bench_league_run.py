@@ -40,9 +40,8 @@ def main() -> None:
     rows, curves = league_curves(Lake(job.run.lake), league, first=job.run.name)
     if not rows:
         raise SystemExit(f"no ratings of league {league!r} in {job.run.lake}: run `run league --job {args.job}` first")
-    base = [r for r in rows if r["kind"] == "base" and r["base_model"] is not None]
     games = Lake(job.run.lake).sql("SELECT count(*) AS n FROM games WHERE run = ?", params=[league]).to_pylist()[0]["n"]
-    own = curves.get(job.run.name, _curve(base))
+    own = curves[job.run.name]
     out = {"job": args.job, "overrides": args.set, "league": league, "passes": rows[0]["passes"], "games": games,
            "entrants": [{k: r[k] for k in ("entrant", "kind", "source_run", "iteration", "rating", "rating_low",
                                            "rating_high", "games", "wins", "draws", "losses", "rank", "separated")}
@@ -75,13 +74,15 @@ def main() -> None:
 
 
 def league_curves(lake, league: str, first: str = "") -> tuple[list[dict], dict[str, dict]]:
-    """A league's latest ratings (best first) and, per run whose checkpoints entered (run `first` first),
-    its curve (`_curve`: the base model at iteration 0, then each checkpoint)."""
+    """A league's latest ratings (best first) and, per run whose checkpoints entered and run `first`
+    (first, even with no checkpoint in the league), its curve (`_curve`: the base model at
+    iteration 0, then each checkpoint)."""
     rows = lake.sql("""SELECT * FROM league_ratings WHERE run = ?
         AND passes = (SELECT max(passes) FROM league_ratings WHERE run = ?) ORDER BY rank""",
                     params=[league, league]).to_pylist()
     base = [r for r in rows if r["kind"] == "base" and r["base_model"] is not None]
-    runs = sorted({r["source_run"] for r in rows if r["kind"] == "checkpoint"}, key=lambda n: (n != first, n))
+    runs = sorted({r["source_run"] for r in rows if r["kind"] == "checkpoint"} | ({first} if first and rows else set()),
+                  key=lambda n: (n != first, n))
     return rows, {name: _curve(sorted([r for r in rows if r["kind"] == "checkpoint" and r["source_run"] == name] + base,
                                       key=lambda r: r["iteration"])) for name in runs}
 
