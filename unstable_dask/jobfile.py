@@ -1,4 +1,4 @@
-"""Reading a job file: TOML into the models of config.py, then the checks that span several keys
+"""Reading a job file: TOML into the models of config/, then the checks that span several keys
 (opponent names, what the algorithm needs, the learner's SQL run on empty tables), so a job
 either loads whole or fails at once with one line naming the file, the key and the value.
 """

@@ -12,7 +12,7 @@ The names a job may give an opponent (`round.opponents.fixed`, an env's `opponen
 Each kind makes the `Seat` a task plays: `plays` says which machinery moves for it (an agent
 function of agents.py, the worker's engine with `source` as the adapter, or an endpoint), so a
 task never looks at names. Adding a kind is one class here and its line in `parse` (and, for a
-new reserved name, one line in config.py).
+new reserved name, one line in config/base.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,92 @@
+"""A job's settings: one TOML file describes a run, and every default lives here, in these models.
+
+jobfile.py reads a file into them (`load_job(path)`; `default_job()` is the embedded default:
+CPU, builtin tiny model, LocalCluster, ./lake, ./reports) and checks what spans several keys.
+Errors a user can fix raise `JobError` with one sentence naming the file, the key, the bad value
+and what was expected.
+
+One module per table of the job file (base.py: what they all share); every name is importable
+from here.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+from pydantic import Field, SerializeAsAny, field_validator
+
+from unstable_dask.config.base import (
+    BASE_UID,
+    CHECKPOINT_UID,
+    LEGAL_RANDOM_UID,
+    MAX_BOOTSTRAP,
+    MAX_EPOCHS,
+    MAX_GAMES_PER_ROUND,
+    MAX_INT,
+    MAX_MODEL_LEN,
+    MAX_RATING_SCALE,
+    MAX_UPDATES,
+    MAX_WORKERS,
+    MIN_PROMPT_TOKENS,
+    MIN_TEMPERATURE,
+    NAME,
+    RANDOM_UID,
+    Strict,
+    reserved_uid,
+)
+from unstable_dask.config.league import (
+    KIND_PREFIXES,
+    SELECTOR,
+    EntrantSpec,
+    LeagueConfig,
+    LeagueGame,
+    RatingsConfig,
+    covers,
+    entrant_spec,
+)
+from unstable_dask.config.learn import LearnConfig
+from unstable_dask.config.model import LoraConfig, ModelConfig, VllmConfig
+from unstable_dask.config.round import EndpointConfig, EnvSpec, OpponentConfig, OpponentStrategy, RoundConfig
+from unstable_dask.config.run import ClusterConfig, ClusterKind, RunConfig
+
+__all__ = ["BASE_UID", "CHECKPOINT_UID", "KIND_PREFIXES", "LEGAL_RANDOM_UID", "MAX_BOOTSTRAP", "MAX_EPOCHS",
+           "MAX_GAMES_PER_ROUND", "MAX_INT", "MAX_MODEL_LEN", "MAX_RATING_SCALE", "MAX_UPDATES", "MAX_WORKERS",
+           "MIN_PROMPT_TOKENS", "MIN_TEMPERATURE", "NAME", "RANDOM_UID", "SELECTOR", "ClusterConfig", "ClusterKind",
+           "EndpointConfig", "EntrantSpec", "EnvSpec", "Job", "LearnConfig", "LeagueConfig", "LeagueGame", "LoraConfig",
+           "ModelConfig", "OpponentConfig", "OpponentStrategy", "RatingsConfig", "RoundConfig", "RunConfig", "Strict",
+           "VllmConfig", "covers", "entrant_spec", "reserved_uid"]
+
+
+class Job(Strict):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    round: RoundConfig = RoundConfig()
+    # The chosen algorithm's subclass of LearnConfig (jobfile.py picks it by learn.algorithm), kept
+    # whole when the job is dumped (SerializeAsAny), so the lake's copy of the job has every setting.
+    learn: SerializeAsAny[LearnConfig]
+    ratings: RatingsConfig = RatingsConfig()
+    endpoints: dict[str, EndpointConfig] = {}  # [endpoints.<name>]: opponents by that name
+    league: LeagueConfig = LeagueConfig()
+    # Where the job came from (a path or "<default>"), for messages; not part of the TOML.
+    source: str = Field("<default>", exclude=True)
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoint_names(cls, v: dict[str, EndpointConfig]) -> dict[str, EndpointConfig]:
+        for name in v:
+            if not re.fullmatch(NAME, name) or reserved_uid(name):
+                raise ValueError(f"endpoint name {name!r}: expected letters, digits, '_', '.', '-', and not "
+                                 f"'base', 'random' or a checkpoint uid (ckpt-<k>)")
+        return v
+
+    @property
+    def league_name(self) -> str:
+        """The run a league's games are written under."""
+        return self.league.name or f"{self.run.name}-league"
+
+    def fingerprint(self) -> str:
+        """A short hash of the validated job, stored with every round commit."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]

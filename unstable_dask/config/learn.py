@@ -1,0 +1,95 @@
+"""[learn]: the settings every algorithm has (each algorithm adds its own in its file)."""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from unstable_dask.config.base import MAX_UPDATES, Strict
+
+
+class LearnConfig(Strict):
+    """[learn]: the settings every algorithm has.
+
+    Each algorithm declares its own settings (and its default reward transforms) in a subclass in
+    its file, `learn/algorithms/<name>.py`; jobfile.py validates `[learn]` with the subclass that
+    `algorithm` names, so a key the chosen algorithm does not have is an error, not ignored.
+    """
+    algorithm: str = "reinforce"
+    """A name in learn/algorithms ALGORITHMS: reinforce, a2c, grpo, gspo."""
+    batch_size: int = Field(32, gt=0)
+    """Rows (learner turns) per sampled batch; GRPO/GSPO and A2C take whole groups / seats up to it."""
+    mini_batch_size: int = Field(8, gt=0)
+    """Micro-batch: rows per forward/backward pass; gradients accumulate over the batch."""
+    lr: float = Field(1e-5, gt=0.0, le=1.0)
+    """AdamW learning rate of the LoRA adapter (at most 1: a larger step diverges at once)."""
+    grad_clip: float = Field(0.2, gt=0.0)
+    """Clip of the gradient's global norm before each optimizer step (UnstableBaselines: 0.2)."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    max_train_len: Optional[int] = Field(None, gt=0)
+    """Truncate prompt + completion to this many tokens (prompt first, from the left); None: no cut."""
+    window: Union[Literal["latest", "all"], int] = "latest"
+    """Rounds a batch is sampled from: the newest (on-policy), all, or the last k."""
+    updates_per_round: int = Field(1, gt=0, le=MAX_UPDATES)
+    """Sampled batches (updates) per learner iteration, each with its own seed."""
+    gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass: less memory, ~30% more compute."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the update runs; auto: a GPU worker of the cluster, or this machine's GPU, else CPU."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Precision of the learner's forward passes (bf16 autocast, LoRA weights stay fp32). auto:
+    bfloat16 on CUDA, and on CPUs with native bf16 (AVX-512 BF16, AMX) for models of hidden size >= 512
+    (smaller ones run slower in bf16 on a CPU), else float32."""
+    is_mode: Literal["truncate", "mask", "off"] = "truncate"
+    """How the engine's log-probs (pi_b) enter the loss, through w = pi_old / pi_b per token:
+    "truncate" multiplies each token's term by min(w, is_cap) (TIS); "mask" drops tokens with w
+    outside [1/is_cap, is_cap] (MIS); "off" ignores them (their gap is still recorded)."""
+    is_cap: float = Field(2.0, gt=1.0)
+    """The importance weights' bound (verl's rollout_is_threshold, TRL's vllm_importance_sampling_cap)."""
+    max_logp_gap: float = Field(0.5, gt=0.0)
+    """Largest mean |log pi_old - log pi_b| (nats per token) an update accepts: above it the engine
+    cannot have served these weights (bf16 vs fp32 measures ~2e-3), and the job stops."""
+    max_staleness: int = Field(0, ge=0)
+    """Learner iterations a sample may be old when it is trained on (the checkpoint that played it
+    against the one being trained). 0: lock-step loop, on-policy rounds only; k > 0: `loop` starts
+    the next round while the learner trains, never on a checkpoint more than k iterations behind."""
+    quantization: Literal["none", "4bit", "8bit"] = "none"
+    """QLoRA: the frozen base in 4 bit (NF4) or 8 bit through bitsandbytes, CUDA only; the adapter
+    stays standard peft LoRA (served on the unquantized base). Declared after `device`."""
+    final_transforms: list[str] = []
+    """Reward transforms once per game and learner seat (names with arguments, or one SELECT over
+    `final`); each algorithm's class sets its default."""
+    step_transforms: list[str] = ["RewardForFormat(1.5)", "PenaltyForInvalidMove(1.0, -1.0)"]
+    """Reward transforms once per turn (names, or one SELECT over `steps`): UnstableBaselines' defaults."""
+    sampling_transforms: list[str] = []
+    """Reward transforms over the sampled batch (names, or one SELECT over `batch`); each
+    algorithm's class sets its default."""
+
+    def silent_rows_have_gradient(self) -> bool:
+        """Whether a row whose advantage is 0 still gives its loss a gradient (a KL penalty does).
+        The trainer then keeps groups whose advantages are all 0 beside groups with signal (their
+        KL term joins the step); a batch with no signal at all makes no step either way
+        (trainer.drop_silent_groups)."""
+        return False
+
+    @field_validator("quantization")
+    @classmethod
+    def _cuda_only(cls, v: str, info: ValidationInfo) -> str:
+        if v != "none" and info.data.get("device") == "cpu":
+            raise ValueError("4/8-bit learners need a CUDA GPU (bitsandbytes) and learn.device is 'cpu'; "
+                             "use 'none' on CPU")
+        return v
+
+    @model_validator(mode="after")
+    def _mini(self) -> "LearnConfig":
+        if self.mini_batch_size > self.batch_size:
+            raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must be <= batch_size ({self.batch_size})")
+        return self
+
+    @field_validator("window")
+    @classmethod
+    def _window(cls, v: Union[str, int]) -> Union[str, int]:
+        if isinstance(v, int) and v <= 0:
+            raise ValueError("expected 'latest', 'all' or a positive number of rounds")
+        return v
