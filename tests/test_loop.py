@@ -86,7 +86,7 @@ def test_overlapped_loop_killed_anywhere_resumes_without_losing_or_doubling(tmp_
 
 def test_rollback_retires_checkpoints_and_their_rounds_and_the_loop_goes_on(tmp_path, cache):
     from unstable_dask.errors import JobError
-    from unstable_dask.learn.learner import rollback
+    from unstable_dask.learn.rollback import rollback
     from unstable_dask.rate.ratings import rate
     job = load_job("jobs/demo.toml", {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),
                                       **SETS})

@@ -132,7 +132,7 @@ def cmd_learn(args) -> None:
 
 
 def cmd_rollback(args) -> None:
-    from unstable_dask.learn.learner import rollback
+    from unstable_dask.learn.rollback import rollback
     console.print(str(rollback(_job_on_lake(args), args.to)), highlight=False)
 
 

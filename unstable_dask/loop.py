@@ -22,7 +22,8 @@ from unstable_dask.cluster.client import open_client, task_resources
 from unstable_dask.config import Job
 from unstable_dask.errors import JobError
 from unstable_dask.lake import Lake
-from unstable_dask.learn.learner import LearnResult, check_quantization, learn, plan, resolve_device
+from unstable_dask.learn.guards import check_quantization
+from unstable_dask.learn.learner import LearnResult, learn, plan, resolve_device
 from unstable_dask.rate import ratings
 from unstable_dask.rate.league import LeagueRatings, rate_league
 from unstable_dask.report import report, trackers

@@ -19,7 +19,6 @@ for a round already trained on (the newest checkpoint lists it) does nothing.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import shutil
 import tempfile
@@ -27,9 +26,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
-import duckdb
 import pyarrow as pa
 
 from unstable_dask.config import BASE_UID, Job
@@ -41,6 +39,13 @@ from unstable_dask.lake.catalog import LEARNER_STEPS
 from unstable_dask.lake.commit import now
 from unstable_dask.learn import algorithms
 from unstable_dask.learn.ema import find_state
+from unstable_dask.learn.guards import (
+    check_exact_tokens,
+    check_finite_advantages,
+    check_finite_update,
+    check_quantization,
+    served_weights,
+)
 from unstable_dask.learn.rewards import batch_query, parse_transforms, run_batch_query, state_rows, window_rounds
 
 
@@ -149,38 +154,6 @@ def build_query(job: Job, p: Plan, update: int = 0, con=None) -> str:
     return batch_query(p.run_name, p.rounds, cfg.batch_size, seed, final, step, sampling, unit=spec.unit, state=state)
 
 
-def check_exact_tokens(con: duckdb.DuckDBPyConnection, job: Job, p: Plan) -> None:
-    """The learner trains on the ids the engine generated, under the round's sampling settings:
-    rounds played before the lake recorded them (completion_token_ids, group_id, the commit row's
-    temperature / top_p) cannot be trained on exactly, so they are refused, not approximated."""
-    rounds = ", ".join(str(int(r)) for r in p.rounds)
-    try:
-        old = con.execute(f"""SELECT DISTINCT round FROM turns WHERE run = ? AND round IN ({rounds}) AND split = 'train'
-            AND is_learner AND prompt_tokens > 0 AND (completion_token_ids IS NULL OR group_id IS NULL)
-            UNION SELECT round FROM rounds WHERE run = ? AND round IN ({rounds})
-            AND (temperature IS NULL OR top_p IS NULL) ORDER BY 1""", [p.run_name, p.run_name]).fetchall()
-    except duckdb.BinderException:  # no file of the lake has the columns yet
-        old = [(r,) for r in p.rounds]
-    if old:
-        raise JobError(f"{job.source}: round(s) {[r for (r,) in old]} of run '{p.run_name}' in lake '{job.run.lake}' were "
-                       "played before the lake recorded exact token ids and sampling settings "
-                       "(turns.completion_token_ids, rounds.temperature); the learner trains only on those: "
-                       "play new rounds (learn.window) or start a new run")
-
-
-def check_quantization(job: Job, device: str) -> None:
-    """A 4/8-bit learner needs CUDA and bitsandbytes: say so before a round or an update is spent."""
-    q = job.learn.quantization
-    if q == "none":
-        return
-    where = f"{job.source}: key 'learn.quantization' has value {q!r}"
-    if device != "cuda":
-        raise JobError(f"{where}: 4/8-bit learners need a CUDA GPU (bitsandbytes) and this learner runs on {device} "
-                       f"(learn.device = {job.learn.device!r}); use 'none' on CPU")
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise JobError(f"{where}: the bitsandbytes package is not installed: pip install 'unstable-dask[quantization]'")
-
-
 def resolve_device(job: Job) -> str:
     if job.learn.device != "auto":
         return job.learn.device
@@ -268,11 +241,11 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
                 if batch.num_rows == 0:
                     raise JobError(f"{job.source}: no learner turns to train on in rounds {p.rounds} of run "
                                    f"'{p.run_name}' (learn.window, or games without learner seats)")
-                check_finite_advantages(job, p, u, batch, con)
+                seed = p.seeds.get(u, batch_seed(job, p.iteration, u))
+                check_finite_advantages(job, p, seed, batch, con)
             finally:
                 con.close()
             served = served_weights(job, p, batch)  # before the update: rows of other weights are never trained on
-            seed = p.seeds.get(u, batch_seed(job, p.iteration, u))
             # The first update starts from the parent's weights: rows it played must match the engine.
             m = trainer.update(batch, seed, guard_uid=p.parent_uid if u == 0 else None)
             check_finite_update(job, p, m, trainer)
@@ -319,74 +292,6 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
     return LearnResult(p.run_name, p.iteration, p.uid, rel, p.rounds, steps)
 
 
-def check_finite_advantages(job: Job, p: Plan, update: int, batch: pa.Table, con: duckdb.DuckDBPyConnection) -> None:
-    """A non-finite or NULL advantage (a transform dividing by zero, a NULL it produced) never
-    reaches the optimizer: one line naming the first transform whose output has one."""
-    import math
-    bad = [(a, r) for a, r in zip(batch.column("advantage").to_pylist(), batch.to_pylist())
-           if a is None or not math.isfinite(a)]
-    if not bad:
-        return
-    value, row = bad[0]
-    where = f"turn {row['turn']} of game {row['game_id']} (round {row['round']})"
-    cfg, spec = job.learn, algorithms.spec(job.learn.algorithm)
-    stages = {"final": cfg.final_transforms, "step": cfg.step_transforms,
-              "sampling": cfg.sampling_transforms if spec.sampling_on == "rewards" else []}
-    parsed = {s: parse_transforms(t, s, con) for s, t in stages.items()}
-    seed = p.seeds.get(update, batch_seed(job, p.iteration, update))
-    upto: dict[str, list] = {s: [] for s in stages}
-    for stage, transforms in parsed.items():  # the pipelines up to each transform in turn
-        for i, t in enumerate(transforms):
-            upto[stage].append(t)
-            sql = batch_query(p.run_name, p.rounds, cfg.batch_size, seed, upto["final"], upto["step"], upto["sampling"],
-                              unit=spec.unit, state=find_state(con, p.run_name, p.rounds, upto["final"]))
-            values = run_batch_query(con, sql).column("advantage").to_pylist()
-            if any(v is None or not math.isfinite(v) for v in values):
-                raise JobError(f"{job.source}: key 'learn.{stage}_transforms[{i}]' has value {stages[stage][i]!r}: it "
-                               f"gives a {'NULL' if value is None else value} reward (first at {where}); nothing "
-                               "was trained or committed")
-    raise JobError(f"{job.source}: the reward transforms give a {'NULL' if value is None else value} advantage at "
-                   f"{where}; nothing was trained or committed")
-
-
-def check_finite_update(job: Job, p: Plan, metrics: dict, trainer: Any) -> None:
-    """A non-finite loss, gradient or weight never becomes a checkpoint."""
-    import math
-
-    import torch
-    bad = [k for k in ("loss", "grad_norm") if metrics.get(k) is not None and not math.isfinite(metrics[k])]
-    weights = [n for n, w in trainer.policy.named_parameters() if w.requires_grad and not bool(torch.isfinite(w).all())]
-    if bad or weights:
-        what = ", ".join(f"{k} {metrics[k]}" for k in bad) or f"non-finite weights ({weights[0]}...)"
-        raise JobError(f"{job.source}: the update of {p.uid} of run '{p.run_name}' gave {what}; nothing is committed "
-                       f"(learn.lr = {job.learn.lr:g}, learn.grad_clip = {job.learn.grad_clip:g}: lower them, or check "
-                       "the reward transforms)")
-
-
-def served_weights(job: Job, p: Plan, batch: pa.Table) -> dict:
-    """Check that every row was played by the weights its checkpoint names (turns.adapter_sha256 vs
-    checkpoints.adapter_sha256: an engine that kept serving an old adapter is an error, never trained
-    on) and measure how stale the rows are (learner_steps.staleness_*)."""
-    parent = p.lineage.get(p.parent_uid, (0, None))[0]
-    ages = []
-    for r, g, t, uid, sha in zip(*(batch.column(c).to_pylist() for c in
-                                   ("round", "game_id", "turn", "model_uid", "adapter_sha256"))):
-        iteration, committed = p.lineage.get(uid, (None, None))
-        if iteration is None:
-            raise JobError(f"turn {t} of game {g} (round {r}) of run '{p.run_name}' was played by {uid!r}, which is "
-                           "not a checkpoint of the run")
-        if committed is not None and sha != committed:
-            served = f"adapter weights {sha[:12]}" if sha else "the base model"
-            raise JobError(f"turn {t} of game {g} (round {r}) of run '{p.run_name}' was played by {served}, but its "
-                           f"checkpoint {uid} committed {committed[:12]}: the engine served other weights than the "
-                           "checkpoint the round names; nothing of it is trained on")
-        ages.append(parent - iteration)
-    if ages and max(ages) > job.learn.max_staleness:
-        raise JobError(f"{job.source}: the batch holds samples {max(ages)} learner iterations old, more than "
-                       f"learn.max_staleness = {job.learn.max_staleness}")
-    return dict(staleness_max=max(ages, default=0), staleness_mean=sum(ages) / len(ages) if ages else None)
-
-
 def _save_atomic(trainer, final: str) -> str:
     """Adapter dir saved under a temp name, then moved (renamed, or uploaded to an object store)
     to `final`, this attempt's own name: no reader sees half an adapter, since only the checkpoint
@@ -410,37 +315,3 @@ def _cuda_memory(device: str) -> dict:
     import torch
     return dict(cuda_mem_allocated=torch.cuda.memory_allocated(), cuda_mem_reserved=torch.cuda.memory_reserved(),
                 cuda_mem_peak=torch.cuda.max_memory_allocated())
-
-
-@dataclass
-class Rollback:
-    run_name: str
-    to: str
-    checkpoints: list[str]
-    rounds: list[int]
-
-    def __str__(self) -> str:
-        return (f"rollback: run '{self.run_name}' goes on from {self.to}; retired {', '.join(self.checkpoints)} and the "
-                f"round(s) they played {self.rounds} (the rounds {self.to} played stay)")
-
-
-def rollback(job: Job, to: str) -> Rollback:
-    """Retire every checkpoint of the run newer than `to` (a checkpoint uid, or "base") and every round
-    those checkpoints played, so the run goes on from `to`: the next learn trains `to` again on the
-    rounds it played and the next round plays it. Numbers are not reused (ckpt-k and round r of the
-    retired ones stay claimed in the log); `run vacuum` removes their adapter folders once older than its
-    retention."""
-    lake, run_name = Lake(job.run.lake), job.run.name
-    ckpts = lake.table("checkpoints").rows(run_name, order_by="iteration")
-    by_uid = {BASE_UID: 0} | {c["uid"]: c["iteration"] for c in ckpts}
-    if to not in by_uid:
-        raise JobError(f"--to {to!r}: run '{run_name}' in lake '{lake.uri}' has no such checkpoint "
-                       f"(its checkpoints: {', '.join(by_uid)})")
-    retired = [c["uid"] for c in ckpts if c["iteration"] > by_uid[to]]
-    if not retired:
-        raise JobError(f"--to {to!r}: it is the newest checkpoint of run '{run_name}'; nothing to roll back")
-    rounds = [r for r, uid in lake.connect().sql("SELECT round, checkpoint_uid FROM rounds WHERE run = ?",
-                                                 params=[run_name]).fetchall() if uid in retired]
-    lake.retire("rounds", run_name, rounds)  # the rounds first: no learner may train on them meanwhile
-    lake.retire("checkpoints", run_name, [by_uid[u] for u in retired])
-    return Rollback(run_name, to, retired, sorted(rounds))

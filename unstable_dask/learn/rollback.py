@@ -1,0 +1,42 @@
+"""`run rollback`: a run goes on from an earlier checkpoint."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unstable_dask.config import BASE_UID, Job
+from unstable_dask.errors import JobError
+from unstable_dask.lake import Lake
+
+
+@dataclass
+class Rollback:
+    run_name: str
+    to: str
+    checkpoints: list[str]
+    rounds: list[int]
+
+    def __str__(self) -> str:
+        return (f"rollback: run '{self.run_name}' goes on from {self.to}; retired {', '.join(self.checkpoints)} and the "
+                f"round(s) they played {self.rounds} (the rounds {self.to} played stay)")
+
+
+def rollback(job: Job, to: str) -> Rollback:
+    """Retire every checkpoint of the run newer than `to` (a checkpoint uid, or "base") and every round
+    those checkpoints played, so the run goes on from `to`: the next learn trains `to` again on the
+    rounds it played and the next round plays it. Numbers are not reused (ckpt-k and round r of the
+    retired ones stay claimed in the log); `run vacuum` removes their adapter folders once older than its
+    retention."""
+    lake, run_name = Lake(job.run.lake), job.run.name
+    ckpts = lake.table("checkpoints").rows(run_name, order_by="iteration")
+    by_uid = {BASE_UID: 0} | {c["uid"]: c["iteration"] for c in ckpts}
+    if to not in by_uid:
+        raise JobError(f"--to {to!r}: run '{run_name}' in lake '{lake.uri}' has no such checkpoint "
+                       f"(its checkpoints: {', '.join(by_uid)})")
+    retired = [c["uid"] for c in ckpts if c["iteration"] > by_uid[to]]
+    if not retired:
+        raise JobError(f"--to {to!r}: it is the newest checkpoint of run '{run_name}'; nothing to roll back")
+    rounds = [r for r, uid in lake.connect().sql("SELECT round, checkpoint_uid FROM rounds WHERE run = ?",
+                                                 params=[run_name]).fetchall() if uid in retired]
+    lake.retire("rounds", run_name, rounds)  # the rounds first: no learner may train on them meanwhile
+    lake.retire("checkpoints", run_name, [by_uid[u] for u in retired])
+    return Rollback(run_name, to, retired, sorted(rounds))
