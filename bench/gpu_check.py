@@ -5,7 +5,9 @@ engine resident), a scaled-down version of a GPU job (default jobs/qwen3-selfpla
 
   1. round    a round of the job; tokens/s vs the backend's own batched generate on the very
               prompts the round sent, called on the same resident weights inside the worker
-              (vLLM: `LLM.generate`; hf: transformers `generate`), same sampling settings
+              (vLLM: `LLM.generate`; hf: transformers `generate`), same sampling settings: all
+              at once, and in dependency waves (the k-th model turn of every game together,
+              wave after wave: the most a round of these games can reach)
   2. loop     `loop --rounds 2` on one GPU: the learner runs as a task on the engine's worker and
               the engine sleeps during the update (vLLM level-1 sleep; hf: weights moved to host)
   3. learner  the learner_steps of that loop: CUDA memory allocated/reserved/peak, tokens/s,
@@ -86,43 +88,52 @@ def _random_model(shape: str) -> str:
     return str(build_cached(f"random-{shape}", build))
 
 
-def _raw_generate(model_cfg, prompts: list[str], batch: int) -> dict:
-    """On the worker: the backend's own generate on the resident weights, same prompts and sampling."""
+def _raw_generate(model_cfg, waves: list[list[str]], batch: int) -> dict:
+    """On the worker: the backend's own generate on the resident weights, same prompts and sampling,
+    one wave after another, every prompt of a wave at once (vLLM) or in chunks of `batch` (hf)."""
     import torch
 
     from unstable_dask.inference.engine import encode_prompts, get_engine, prompt_budget
     engine = get_engine(model_cfg)
     engine.wake_up()
-    ids = encode_prompts(engine.tokenizer, prompts, prompt_budget(model_cfg))
+    budget = prompt_budget(model_cfg)
     tokens, t0 = 0, time.perf_counter()
-    if model_cfg.backend == "vllm":
-        params = engine.vm.SamplingParams(temperature=model_cfg.temperature, top_p=model_cfg.top_p,
-                                          max_tokens=model_cfg.max_new_tokens)
-        outs = vllm_batch(engine, ids, params)
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    else:
-        hf = engine.hf
-        pad = engine.tokenizer.pad_token_id
-        with torch.inference_mode():
-            for i in range(0, len(ids), batch):
-                chunk = ids[i:i + batch]
-                width = max(len(x) for x in chunk)
-                inp = torch.tensor([[pad] * (width - len(x)) + x for x in chunk], device=hf.device)
-                att = (torch.arange(width, device=hf.device)[None, :] >=
-                       torch.tensor([width - len(x) for x in chunk], device=hf.device)[:, None]).long()
-                kw = (dict(do_sample=True, temperature=model_cfg.temperature, top_p=model_cfg.top_p, top_k=0)
-                      if model_cfg.temperature > 0 else {})
-                seq = hf.base.generate(input_ids=inp, attention_mask=att, max_new_tokens=model_cfg.max_new_tokens,
-                                       eos_token_id=hf.eos_ids, pad_token_id=pad, **kw)
-                new = seq[:, width:]
-                eos = torch.isin(new, torch.tensor(hf.eos_ids, device=new.device))
-                # generated tokens up to and including the first EOS, like the engine counts them
-                first = torch.where(eos.any(-1), eos.int().argmax(-1) + 1, torch.full_like(eos[:, 0], new.shape[1], dtype=torch.long))
-                tokens += int(first.sum())
+    for wave in waves:
+        ids = encode_prompts(engine.tokenizer, wave, budget)
+        if model_cfg.backend == "vllm":
+            params = engine.vm.SamplingParams(temperature=model_cfg.temperature, top_p=model_cfg.top_p,
+                                              max_tokens=model_cfg.max_new_tokens)
+            tokens += sum(len(o.outputs[0].token_ids) for o in vllm_batch(engine, ids, params))
+        else:
+            tokens += _hf_generate(engine, model_cfg, ids, batch)
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    return {"prompts": len(ids), "completion_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "cuda_mem_peak": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}
+    return {"prompts": sum(map(len, waves)), "waves": len(waves), "completion_tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall, "cuda_mem_peak": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}
+
+
+def _hf_generate(engine, model_cfg, ids: list[list[int]], batch: int) -> int:
+    """transformers `generate` on the resident model, left-padded chunks of `batch`; tokens generated."""
+    import torch
+    hf, pad, tokens = engine.hf, engine.tokenizer.pad_token_id, 0
+    with torch.inference_mode():
+        for i in range(0, len(ids), batch):
+            chunk = ids[i:i + batch]
+            width = max(len(x) for x in chunk)
+            inp = torch.tensor([[pad] * (width - len(x)) + x for x in chunk], device=hf.device)
+            att = (torch.arange(width, device=hf.device)[None, :] >=
+                   torch.tensor([width - len(x) for x in chunk], device=hf.device)[:, None]).long()
+            kw = (dict(do_sample=True, temperature=model_cfg.temperature, top_p=model_cfg.top_p, top_k=0)
+                  if model_cfg.temperature > 0 else {})
+            seq = hf.base.generate(input_ids=inp, attention_mask=att, max_new_tokens=model_cfg.max_new_tokens,
+                                   eos_token_id=hf.eos_ids, pad_token_id=pad, **kw)
+            new = seq[:, width:]
+            eos = torch.isin(new, torch.tensor(hf.eos_ids, device=new.device))
+            # generated tokens up to and including the first EOS, like the engine counts them
+            first = torch.where(eos.any(-1), eos.int().argmax(-1) + 1, torch.full_like(eos[:, 0], new.shape[1], dtype=torch.long))
+            tokens += int(first.sum())
+    return tokens
 
 
 def main() -> None:
@@ -197,6 +208,9 @@ def main() -> None:
         print(row("round tok/s", f"{result['round']['tok_s']:.0f}"))
         print(row("raw generate tok/s (same prompts, same weights)", f"{result['round']['raw_generate']['tok_s']:.0f}"))
         print(row("round / raw generate", f"{result['round']['round_vs_raw_generate']:.2f}"))
+        print(row(f"raw generate in {result['round']['raw_waves']['waves']} dependency waves tok/s",
+                  f"{result['round']['raw_waves']['tok_s']:.0f}"))
+        print(row("round / raw generate in waves", f"{result['round']['round_vs_raw_waves']:.2f}"))
     for st in result.get("learner_steps", []):
         print(row(f"learner it {st['iteration']} update {st['update']}",
                   f"peak {st['cuda_mem_peak'] / 2**20:.0f} MiB, reserved {st['cuda_mem_reserved'] / 2**20:.0f} MiB, "
@@ -219,12 +233,28 @@ def _round_stage(job, warm, result: dict) -> dict:
         play_round(warm, client=client)
         result["engine_load_and_warmup_s"] = time.perf_counter() - t
         s = play_round(job, client=client)
-        prompts = [r["prompt"] for r in Lake(job.run.lake).sql("SELECT prompt FROM turns WHERE prompt IS NOT NULL "
-                                                 "ORDER BY game_id, turn").to_pylist()]
-        raw = client.submit(_raw_generate, job.model, prompts, n_games, resources={"GPU": 1}, pure=False).result()
-    print(f"round: {s.tokens_per_s:.0f} tok/s vs raw generate {raw['tok_s']:.0f} tok/s", flush=True)
+        waves = model_turn_waves(Lake(job.run.lake))
+        prompts = [p for w in waves for p in w]
+        raw = client.submit(_raw_generate, job.model, [prompts], n_games, resources={"GPU": 1}, pure=False).result()
+        by_wave = client.submit(_raw_generate, job.model, waves, n_games, resources={"GPU": 1}, pure=False).result()
+    print(f"round: {s.tokens_per_s:.0f} tok/s vs raw generate {raw['tok_s']:.0f} tok/s at once, "
+          f"{by_wave['tok_s']:.0f} tok/s in {len(waves)} waves", flush=True)
     return {"games": s.games, "turns": s.turns, "completion_tokens": s.completion_tokens, "wall_s": s.wall_s,
-            "tok_s": s.tokens_per_s, "raw_generate": raw, "round_vs_raw_generate": s.tokens_per_s / raw["tok_s"]}
+            "tok_s": s.tokens_per_s, "raw_generate": raw, "round_vs_raw_generate": s.tokens_per_s / raw["tok_s"],
+            "raw_waves": by_wave, "round_vs_raw_waves": s.tokens_per_s / by_wave["tok_s"]}
+
+
+def model_turn_waves(lake) -> list[list[str]]:
+    """The round's model prompts by dependency: wave k holds the k-th model turn of every game that has
+    one. A round cannot send a game's turn k+1 before turn k is played, so generating the waves one
+    after another (each all at once) is the fastest a round of these games can go on these weights;
+    sending every prompt at once is not reachable by any round."""
+    rows = lake.sql("SELECT prompt, row_number() OVER (PARTITION BY game_id ORDER BY turn) AS k FROM turns "
+                    "WHERE prompt IS NOT NULL ORDER BY k, game_id").to_pylist()
+    waves: dict[int, list[str]] = {}
+    for r in rows:
+        waves.setdefault(r["k"], []).append(r["prompt"])
+    return [waves[k] for k in sorted(waves)]
 
 
 def _loop_stage(ljob) -> dict:
