@@ -6,7 +6,10 @@ completion tokens), in turn (A B C A B C) so machine load hits all alike:
           completion, micro-batches in batch order padded to their longest row, fp32;
   fp32    Trainer.update: logits only from the first completion position (logits_to_keep),
           micro-batches of similar lengths trimmed to their longest row;
-  bf16    the same with learn.dtype = "bfloat16" (autocast; LoRA weights stay fp32).
+  bf16    the same with learn.dtype = "bfloat16" (autocast; LoRA weights stay fp32);
+  bf16-ckpt  bf16 with learn.gradient_checkpointing on, the default of every job: its price on
+          this machine (the three above run without it; its share of the peak counts the same
+          useful FLOPs, not the recomputed forward).
 The peak is a 2048^3 torch matmul on the same threads, fp32 and bf16. A LoRA update's work is taken
 as 4 x (non-embedding parameters) FLOPs per token (forward, and the backward to the activations:
 the frozen base gets no weight gradient) plus 6 x vocab x hidden per position whose logits are
@@ -53,12 +56,13 @@ def main() -> None:
     ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
     args = ap.parse_args()
 
-    def job(dtype: str):
+    def job(dtype: str, checkpointing: bool = False):
         return validate_job({"model": {"base": args.model, "max_new_tokens": 48},
                              "learn": {"batch_size": args.rows, "mini_batch_size": 8, "lr": 1e-6,
-                                       "gradient_checkpointing": False, "dtype": dtype}})
+                                       "gradient_checkpointing": checkpointing, "dtype": dtype}})
     dev = torch.device("cpu")
-    learners = {"fp32": Trainer(job("float32"), None, dev), "bf16": Trainer(job("bfloat16"), None, dev)}
+    learners = {"fp32": Trainer(job("float32"), None, dev), "bf16": Trainer(job("bfloat16"), None, dev),
+                "bf16-ckpt": Trainer(job("bfloat16", checkpointing=True), None, dev)}
     before = Trainer(job("float32"), None, dev)
     batch = make_batch(before.tokenizer, args.rows)
     tok = before.batch(batch).tokens
@@ -79,7 +83,7 @@ def main() -> None:
         before.optimizer.step()
         return int(tok.attention_mask.sum()) / (time.perf_counter() - t0)
 
-    tps: dict[str, list[float]] = {"before": [], "fp32": [], "bf16": []}
+    tps: dict[str, list[float]] = {"before": [], **{k: [] for k in learners}}
     for i in range(args.steps + 1):  # step 0 of each is a warm-up
         b = before_step()
         got = {k: t.update(batch)["tokens_per_s"] for k, t in learners.items()}
@@ -97,14 +101,15 @@ def main() -> None:
     flops_tok_now = 4 * params + 6 * vocab * hidden * (completion + args.rows) / tokens  # logits from the completion on
     peak = {"fp32": matmul_peak("float32"), "bf16": matmul_peak("bfloat16")}
     frac = {"before": med["before"] * flops_tok_before / peak["fp32"], "fp32": med["fp32"] * flops_tok_now / peak["fp32"],
-            "bf16": med["bf16"] * flops_tok_now / peak["bf16"]}
+            "bf16": med["bf16"] * flops_tok_now / peak["bf16"], "bf16-ckpt": med["bf16-ckpt"] * flops_tok_now / peak["bf16"]}
     res = dict(model=args.model, rows=args.rows, tokens=tokens, completion_tokens=completion,
                tokens_per_s=med, samples=tps, matmul_peak_flops=peak, peak_fraction=frac,
                speedup_fp32=med["fp32"] / med["before"], speedup_bf16=med["bf16"] / med["before"],
+               checkpointing_vs_none_bf16=med["bf16-ckpt"] / med["bf16"],
                torch_threads=torch.get_num_threads())
     save("learner_speed", res)
     print(row("learner", "tok/s", "vs before", "share of matmul peak"))
-    for k in ("before", "fp32", "bf16"):
+    for k in tps:
         print(row(k, f"{med[k]:.0f}", f"{med[k] / med['before']:.2f}", f"{frac[k]:.1%}"))
     print(row("matmul peak GFLOP/s (fp32, bf16)", f"{peak['fp32'] / 1e9:.0f}", f"{peak['bf16'] / 1e9:.0f}", ""))
 
