@@ -31,6 +31,8 @@ defaults to the job's, falling back to hf (recorded) when vllm cannot be importe
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -85,7 +87,9 @@ def _random_model(shape: str) -> str:
         torch.manual_seed(0)
         Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
         tok.save_pretrained(out)
-    return str(build_cached(f"random-{shape}", build))
+    # the shape's settings in the name: an edited SHAPES entry builds anew, never reuses old files
+    digest = hashlib.sha256(json.dumps(SHAPES[shape], sort_keys=True).encode()).hexdigest()[:8]
+    return str(build_cached(f"random-{shape}-{digest}", build))
 
 
 def _raw_generate(model_cfg, waves: list[list[str]], batch: int) -> dict:
