@@ -12,8 +12,8 @@ rounds. At lr 1e-2 and 12 rounds it failed 3 of 16 runs (seeds 0-15, 2026-11-26:
 0.00-0.06 in one round. The cause is the step, not the rewards: the second update's mean token
 log-prob on the same 64 rows minus the first's (one AdamW step apart) moved by more than 0.5 nats
 in 8 of 192 iterations, by up to 6.5, at gradient norms of 0.5-3.2 (clipped at 1.0). Mean-centred
-rewards without the std (NormalizeRewards()) failed 0 of 12 but kept such steps (2 of 142, up to
-7.8 nats; one run fell 0.80 -> 0.08 and recovered). At lr 5e-3 (seeds 20-31): no iteration of
+rewards without the std (NormalizeRewards()) failed 0 of 11 runs but kept such steps (2 of 142
+iterations, up to 7.8 nats; one run fell 0.80 -> 0.08 and recovered). At lr 5e-3 (seeds 20-31): no iteration of
 192 moved more than 0.18 nats, 12 of 12 passed at +0.86..+0.92, the win rate first reached 0.90 in
 rounds 8-11 and stayed >= 0.98 in rounds 13-15 (at 12 rounds the gains would have been
 +0.74..+0.90).
