@@ -9,7 +9,8 @@ same seeds) with its interval, format success and invalid-move rate of the learn
 and whether the learner's interval lies entirely above the baseline's. On Kuhn Poker, where the
 best reply to the random agent is simple to state (bet when you may, never fold:
 bench_kuhn_policies.py), also what the learner chose: the share of its eval decisions with
-`[bet]` legal that bet, and of those facing a bet that fold. Every league of the lake that ranked
+`[bet]` legal that bet, and of those facing a bet that fold; the invalid-move rate of each kind of
+decision; and the share of its training turns that faced a bet. Every league of the lake that ranked
 the run's checkpoints (a self-play run's verdict) adds its Spearman correlation of iteration and
 rating and the last checkpoint's and base model's ratings with intervals. Nothing is typed by hand:
 run it again on the same lakes and the file is the same.
@@ -31,14 +32,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common import row, save  # noqa: E402
 
 # The learner's eval decisions in Kuhn Poker, by the legal actions of the hand being played (the
-# observation holds the whole game, so the last "available actions" line is the current one).
+# observation holds the whole game, so the last "available actions" line is the current one); and
+# how often its training games put a bet in front of it (self-play: only as often as it bets itself).
 KUHN_SQL = r"""
-SELECT round, avg((move = 'bet')::DOUBLE) FILTER (WHERE can_bet) AS bet_share, count(*) FILTER (WHERE can_bet) AS bet_legal_turns,
-       avg((move = 'fold')::DOUBLE) FILTER (WHERE facing_bet) AS fold_share, count(*) FILTER (WHERE facing_bet) AS facing_bet_turns
-FROM (SELECT round, regexp_extract(lower(action), '\[(check|bet|call|fold)\]', 1) AS move,  -- the env's reading
+SELECT round, avg((move = 'bet')::DOUBLE) FILTER (WHERE ev AND can_bet) AS bet_share, count(*) FILTER (WHERE ev AND can_bet) AS bet_legal_turns,
+       avg((move = 'fold')::DOUBLE) FILTER (WHERE ev AND facing_bet) AS fold_share, count(*) FILTER (WHERE ev AND facing_bet) AS facing_bet_turns,
+       avg(invalid_move::DOUBLE) FILTER (WHERE ev AND can_bet) AS invalid_when_bet_legal,
+       avg(invalid_move::DOUBLE) FILTER (WHERE ev AND facing_bet) AS invalid_facing_bet,
+       avg(facing_bet::DOUBLE) FILTER (WHERE NOT ev) AS train_facing_bet_share
+FROM (SELECT round, split = 'eval' AS ev, invalid_move,
+             regexp_extract(lower(action), '\[(check|bet|call|fold)\]', 1) AS move,  -- the env's reading
              contains(legal, '[bet]') AS can_bet, contains(legal, '[fold]') AS facing_bet
-      FROM (SELECT round, action, regexp_extract(observation, '(?s).*available actions are: ([^\n]*)', 1) AS legal
-            FROM turns WHERE run = ? AND split = 'eval' AND is_learner AND env_id LIKE 'KuhnPoker%'))
+      FROM (SELECT round, split, invalid_move, action,
+                   regexp_extract(observation, '(?s).*available actions are: ([^\n]*)', 1) AS legal
+            FROM turns WHERE run = ? AND split IN ('eval', 'train') AND is_learner AND env_id LIKE 'KuhnPoker%'))
 GROUP BY round"""
 
 
@@ -84,7 +91,8 @@ def run_rows(con, run_name: str) -> dict:
                 "format_success": e["format_success"], "invalid_rate": e["invalid_rate"]})
             if k in kuhn:  # what it chose, not only how it scored
                 rounds[-1].update(zip(("kuhn_bet_share", "kuhn_bet_legal_turns", "kuhn_fold_share",
-                                       "kuhn_facing_bet_turns"), kuhn[k]))
+                                       "kuhn_facing_bet_turns", "kuhn_invalid_when_bet_legal",
+                                       "kuhn_invalid_facing_bet", "kuhn_train_facing_bet_share"), kuhn[k]))
     return {"run": run_name, "job": job, "seed": job["run"]["seed"],
             "algorithm": job["learn"]["algorithm"], "model": job["model"]["base"],
             "opponents": job["round"]["opponents"]["strategy"],
