@@ -5,6 +5,7 @@ random agent: win rate (draws half) against the random agent of scripted players
   always-aggressive  [bet] when it may, else [call]: no card reading at all
   fold-J           bet/call, but fold a J facing a bet (the textbook best reply to a random player)
   card-sense       K: bet/call; Q: check/call; J: check/fold
+  bet-fold         [bet] when it may, [fold] facing a bet: where mirror self-play settled (BENCHMARKS.md)
 
 TextArena's KuhnPoker-v0 differs from the textbook game in one rule that decides the bars: a bet
 or a call does not add to the pot (only the two antes are in it), so every hand is worth the same
@@ -60,12 +61,17 @@ def card_sense(obs: str, rng: random.Random) -> str:
     return "[fold]" if card == "J" else "[call]"
 
 
+def bet_fold(obs: str, rng: random.Random) -> str:
+    return "[bet]" if "[bet]" in _moves(obs) else "[fold]"
+
+
 def legal_random(obs: str, rng: random.Random) -> str:
     from unstable_dask.play.agents import random_move
     return random_move("KuhnPoker-v0", obs, rng) or "[check]"
 
 
-POLICIES = {"legal-random": legal_random, "always-aggressive": aggressive, "fold-J": fold_j, "card-sense": card_sense}
+POLICIES = {"legal-random": legal_random, "always-aggressive": aggressive, "fold-J": fold_j, "card-sense": card_sense,
+            "bet-fold": bet_fold}
 
 
 def play(env_id: str, policy, seat: int, seed: int) -> float:
