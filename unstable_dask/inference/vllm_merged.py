@@ -59,8 +59,8 @@ class MergedWeights:
                     self.in_flight += 1
                     if self.merged is not None:
                         return None, self.merged.path
-                    request = self._lora_request(adapter)
-                    return request, None if request is None else request.lora_path
+                    request = self._lora_request(adapter)  # the base's may be a LoRA of zeros (vllm_engine)
+                    return request, None if adapter is None else request.lora_path
                 else:
                     await self._reload(None)
 
