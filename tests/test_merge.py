@@ -80,10 +80,11 @@ def test_an_adapter_for_another_model_is_declined(tiny, tmp_path_factory, tmp_pa
     assert not (tmp_path / "m").exists()
 
 
-def test_merged_weights_turnstile_keeps_the_engines_files_and_no_others(tiny, tmp_path_factory, tmp_path, monkeypatch):
-    """inference/vllm_merged.py without vLLM: the folder the engine reads stays on disk while the engine
-    holds it and goes once it does not; a reload that fails (a dead engine) leaves the previous weights
-    recorded and no new folder behind; an adapter merge.py declines is served by LoRA, with nothing written."""
+def test_merged_weights_turnstile_leaves_no_files_behind(tiny, tmp_path_factory, tmp_path, monkeypatch):
+    """inference/vllm_merged.py without vLLM: the merged weights are on disk while the engine reads them
+    and gone once it has (a worker killed later leaves nothing in /tmp); a reload that fails (a dead
+    engine) leaves the previous weights recorded; an adapter merge.py declines is served by LoRA, with
+    nothing written."""
     import asyncio
 
     from unstable_dask.inference.vllm_merged import MergedWeights
@@ -101,19 +102,18 @@ def test_merged_weights_turnstile_keeps_the_engines_files_and_no_others(tiny, tm
     w = MergedWeights(tiny, torch.float32, reload, lambda adapter: None)
     folders = lambda: sorted(p.name for p in tmp_path.glob("unstable-dask-merged-*"))  # noqa: E731
     asyncio.run(w.use(a))
-    assert w.merged == a and w.folder is not None and folders() == [w.folder.name] and loaded[-1] == str(w.folder)
+    assert w.merged == a and loaded[-1].startswith(str(tmp_path)) and folders() == []
     asyncio.run(w.use(a))
     assert w.reloads == 1
-    held = w.folder
     fail = True
     with pytest.raises(RuntimeError, match="engine dead"):
         asyncio.run(w.use(b))
-    assert w.merged == a and w.folder == held and folders() == [held.name] and not w.reloading
+    assert w.merged == a and folders() == [] and not w.reloading
     fail = False
     asyncio.run(w.use(b))
-    assert w.merged == b and folders() == [w.folder.name] != [held.name]
+    assert w.merged == b and folders() == [] and loaded[-1] != loaded[0]
     asyncio.run(w.use(None))
-    assert w.merged is None and w.folder is None and folders() == [] and loaded[-1] == tiny and w.reloads == 3
+    assert w.merged is None and folders() == [] and loaded[-1] == tiny and w.reloads == 3
 
     dora = tmp_path_factory.mktemp("dora")
     shutil.copytree(a.path, dora, dirs_exist_ok=True)
@@ -151,3 +151,17 @@ def test_zero_lora_is_the_base_model_even_from_a_dora_adapter(tiny, tmp_path):
         got = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32),
                                         str(tmp_path / "zero"))(ids).logits
     assert torch.equal(got, want)
+
+
+def test_zero_lora_is_built_once_per_adapter_shape(tiny, tmp_path_factory):
+    """The zero LoRA lives in the model cache under a name made from the adapter's shape, not in a temp
+    folder per engine: two checkpoints of one run share it (and a killed worker leaves no copy
+    behind); an adapter of another rank gets its own."""
+    from unstable_dask.inference.vllm_engine import zero_adapter
+    a, b = random_adapters(tiny, tmp_path_factory, n=2)
+    wide = random_adapters(tiny, tmp_path_factory, n=1, target_modules=("q_proj", "k_proj", "v_proj", "down_proj"))[0]
+    za, zb, zw = (zero_adapter(Path(x.path)) for x in (a, b, wide))
+    assert za.path == zb.path != zw.path
+    assert all(not v.any() for v in load_file(str(Path(zw.path) / "adapter_model.safetensors")).values())
+    assert {k.replace(".lora_A", "").replace(".lora_B", "") for k in load_file(str(Path(zw.path) / "adapter_model.safetensors"))} \
+        == {k.replace(".lora_A", "").replace(".lora_B", "") for k in load_file(str(Path(wide.path) / "adapter_model.safetensors"))}

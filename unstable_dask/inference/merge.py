@@ -9,6 +9,7 @@ the engine serves it through its LoRA layers as before.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -76,6 +77,26 @@ def write_merged(base_dir: str, adapter_dir: str, out: Path, dtype: Any) -> bool
     return True
 
 
+def _zero_lora_config(like: str) -> dict[str, Any]:
+    cfg = json.loads((Path(like) / "adapter_config.json").read_text())
+    return cfg | {k: None for k in _NOT_PLAIN if cfg.get(k)} | {"use_dora": False, "fan_in_fan_out": False}
+
+
+def _is_lora_tensor(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def zero_lora_name(like: str) -> str:
+    """A name for write_zero_lora(like)'s output made from all it depends on (the plain config and the
+    LoRA tensors' names, shapes and dtypes): adapters of one shape share one zero LoRA."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(like) / "adapter_model.safetensors"), framework="pt") as h:
+        shapes = sorted((k, h.get_slice(k).get_shape(), h.get_slice(k).get_dtype()) for k in h.keys() if _is_lora_tensor(k))
+    text = json.dumps([_zero_lora_config(like), shapes], sort_keys=True)
+    return "zero-lora-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def write_zero_lora(like: str, out: Path) -> None:
     """A plain LoRA adapter in `out` with the targets and rank of adapter `like` and every weight 0:
     served through LoRA layers it is the base model exactly. Only lora_A/lora_B tensors are kept and
@@ -84,10 +105,8 @@ def write_zero_lora(like: str, out: Path) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    cfg = json.loads((Path(like) / "adapter_config.json").read_text())
-    cfg.update({k: None for k in _NOT_PLAIN if cfg.get(k)} | {"use_dora": False, "fan_in_fan_out": False})
     tensors = load_file(str(Path(like) / "adapter_model.safetensors"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "adapter_config.json").write_text(json.dumps(cfg))
-    save_file({k: torch.zeros_like(v) for k, v in tensors.items() if ".lora_A." in k or ".lora_B." in k},
+    (out / "adapter_config.json").write_text(json.dumps(_zero_lora_config(like)))
+    save_file({k: torch.zeros_like(v) for k, v in tensors.items() if _is_lora_tensor(k)},
               str(out / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -26,8 +26,6 @@ import contextlib
 import gc
 import json
 import os
-import shutil
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -36,9 +34,9 @@ from unstable_dask.config import ModelConfig
 from unstable_dask.inference import aio
 from unstable_dask.inference import engine as engines
 from unstable_dask.inference.engine import Adapter, Generation, chat_prompt, check_adapter, encode_prompts, prompt_budget
-from unstable_dask.inference.merge import write_zero_lora
+from unstable_dask.inference.merge import write_zero_lora, zero_lora_name
 from unstable_dask.inference.vllm_merged import MergedWeights
-from unstable_dask.inference.weights import resolve_model
+from unstable_dask.inference.weights import build_cached, resolve_model
 
 # vLLM accepts only these values for max_lora_rank; the configured rank is rounded up to one.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -131,9 +129,9 @@ CPU_BLOCK = 32
 
 
 def zero_adapter(like: Path) -> Adapter:
-    """The base model as an adapter: merge.write_zero_lora of adapter `like`, in a fresh folder."""
-    folder = Path(tempfile.mkdtemp(prefix="unstable-dask-zero-lora-"))
-    write_zero_lora(str(like), folder)
+    """The base model as an adapter: merge.write_zero_lora of adapter `like`, built once into the model
+    cache (vLLM may read it again whenever it evicts it; the engines of a machine share it)."""
+    folder = build_cached(zero_lora_name(str(like)), lambda out: write_zero_lora(str(like), out))
     return Adapter("base-as-zero-lora", str(folder))
 
 
@@ -326,9 +324,6 @@ class VLLMEngine:
                     handler.cancel()
                 engine.shutdown()
             aio.run(stop())
-        self.vm.weights.close()
-        if self.vm.zero is not None:
-            shutil.rmtree(self.vm.zero.path, ignore_errors=True)
         engines.forget(lambda e: getattr(e, "vm", None) is self.vm)
         for key in [k for k, v in _LLMS.items() if v is self.vm]:
             del _LLMS[key]

@@ -35,7 +35,6 @@ class MergedWeights:
         self.base_path, self.dtype = base_path, dtype
         self._reload_weights, self._lora_request = reload, lora_request
         self.merged: Optional[Adapter] = None  # the adapter whose deltas are in the weights; None: the base's
-        self.folder: Optional[Path] = None  # the merged weights' files, while they are in the engine
         self.in_flight = 0
         self.reloading = False
         self.reloads = 0  # weight reloads so far, for tests and benchmarks
@@ -83,36 +82,26 @@ class MergedWeights:
         base + `adapter` (None, or an adapter that cannot be merged: the base)."""
         gate = self._turnstile()
         self.reloading = True
-        new: Optional[Path] = None
+        folder: Optional[Path] = None
         try:
             await gate.wait_for(lambda: self.in_flight == 0)
             path, target = self.base_path, None
             if adapter is not None:
                 check_adapter(adapter)
-                # a fresh folder per reload: the engine may still map the previous one's files
-                new = Path(tempfile.mkdtemp(prefix="unstable-dask-merged-"))
-                if await asyncio.to_thread(write_merged, self.base_path, adapter.path, new, self.dtype):
-                    path, target = str(new), adapter
+                folder = Path(tempfile.mkdtemp(prefix="unstable-dask-merged-"))
+                if await asyncio.to_thread(write_merged, self.base_path, adapter.path, folder, self.dtype):
+                    path, target = str(folder), adapter
                 else:
                     self.unmergeable.add(adapter.path)
             if target is None and self.merged is None:
                 return
             await self._reload_weights(path)
-            # The engine now holds `path`'s weights: the previous folder is no longer mapped.
-            old, self.folder = self.folder, new if target is not None else None
-            if target is not None:
-                new = None  # the engine's now: removed at the next reload or at close
             self.merged, self.reloads = target, self.reloads + 1
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
         finally:
-            if new is not None:  # declined, not needed, or the reload failed: the engine never read it
-                shutil.rmtree(new, ignore_errors=True)
+            # vLLM's reload_weights copies the tensors into the engine's own as it reads them, so the
+            # files go at once (kept until the next reload, a worker killed rather than closed left
+            # ~0.5 GB in /tmp).
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
             self.reloading = False
             gate.notify_all()
-
-    def close(self) -> None:
-        """Remove the merged weights' files (the engine is gone)."""
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            self.folder = None
