@@ -134,6 +134,10 @@ def test_slurm_job_script():
     cpu = job_script(ClusterConfig(kind="slurm", gpus_per_job=0, memory_limit="12GB"))
     assert "gres" not in cpu and "--resources" not in cpu and "--lifetime" not in cpu
     assert cpu.rsplit("--memory-limit", 1)[1].split()[0] == "12GB"
+    # a worker gets 180 s to start (its imports: jobqueue's 60 ran out on a loaded node), or the job's own
+    assert cmd.split("--death-timeout", 1)[1].split()[0] == "180"
+    slow = job_script(ClusterConfig(kind="slurm", gpus_per_job=0, death_timeout=600))
+    assert slow.strip().splitlines()[-1].split("--death-timeout", 1)[1].split()[0] == "600"
 
 
 def test_pbs_lsf_sge_job_scripts():

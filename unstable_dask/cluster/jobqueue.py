@@ -169,6 +169,9 @@ def jobqueue_kwargs(cfg: ClusterConfig) -> dict[str, Any]:
         "cores": cfg.cores, "memory": cfg.memory, "processes": cfg.processes,
         "queue": cfg.queue, "walltime": _walltime_for(cfg.kind, walltime),
         "interface": cfg.interface,
+        # jobqueue's default, 60 s, counts the worker process's imports (torch, vLLM): they ran past
+        # it on a loaded node (tests/test_slurm.py) and do on shared file systems.
+        "death_timeout": cfg.death_timeout,
         "job_extra_directives": [*cfg.job_extra_directives, *directives],
         "worker_extra_args": _worker_args(cfg),
         "job_script_prologue": [*PROLOGUE, *cfg.job_script_prologue],

@@ -70,6 +70,7 @@ class ClusterConfig(Strict):
     adapt_max: Optional[int] = Field(None, ge=0)
     lifetime: Optional[str] = None  # worker --lifetime, e.g. "55m"
     lifetime_stagger: str = "4m"
+    death_timeout: int = Field(180, gt=0)  # s a batch job's worker may take to start (and live without a scheduler)
     interface: Optional[str] = None
     job_extra_directives: list[str] = []
     worker_extra_args: list[str] = []
