@@ -22,7 +22,9 @@ Writes bench/results/<backend>_merge.json.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -69,7 +71,9 @@ def main() -> None:
                       max_new_tokens=args.tokens, hf_max_batch=args.prompts, max_model_len=1024,
                       vllm={"max_num_seqs": args.prompts, "merge_adapter": True})
     merged = get_engine(cfg)
-    adapter = Adapter("ckpt-1", small_adapter(resolve_model(cfg.base), tempfile.mkdtemp(prefix="bench-merge-")))
+    folder = tempfile.mkdtemp(prefix="bench-merge-")
+    atexit.register(shutil.rmtree, folder, True)
+    adapter = Adapter("ckpt-1", small_adapter(resolve_model(cfg.base), folder))
     rules = ("You are playing Tic Tac Toe. Make valid moves to win. On your turn, choose a cell by "
              "its number, e.g. [4]. The board so far:\n") * 5
     prompts = [merged.chat_prompt(f"{rules}Game {i}: the opponent played [{i % 9}].") for i in range(args.prompts)]

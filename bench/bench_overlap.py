@@ -21,6 +21,8 @@ Writes bench/results/overlap.json and prints markdown rows.
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import statistics
 import tempfile
 import time
@@ -38,6 +40,7 @@ from common import row, save
 
 def run_once(job_path: str, rounds: int, staleness: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="overlap"))
+    atexit.register(shutil.rmtree, tmp, True)  # its lake: ~50 MB a run
     job = load_job(job_path, {"run.lake": str(tmp / "lake"), "run.reports": str(tmp / "reports"),
                               "learn.max_staleness": staleness})
     t0 = time.time()

@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -86,6 +88,7 @@ def main() -> None:
     ap.add_argument("--slurm-repeats", type=int, default=3)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-workers-")
+    atexit.register(shutil.rmtree, tmp, True)
     load = os.getloadavg()[0]
     w1 = games_per_s(1, args.games, args.repeats, tmp)
     w2 = games_per_s(2, args.games, args.repeats, tmp)
