@@ -34,9 +34,11 @@ from unstable_dask.learn.trainer import Trainer
 from common import matmul_peak, row, save
 
 
-def make_batch(tokenizer, n: int) -> pa.Table:
+def make_batch(tokenizer, n: int, repeat: int = 5) -> pa.Table:
+    """`n` learner rows: a chat prompt of `repeat` copies of a rules text (5: ~300 tokens, the TicTacToe
+    learning job's; 10: ~570, the Kuhn jobs') and completions of 4-40 tokens."""
     rules = ("You are playing Tic Tac Toe. Make valid moves to win. On your turn, choose a cell by "
-             "its number, e.g. [4]. The board so far:\n") * 5
+             "its number, e.g. [4]. The board so far:\n") * repeat
     prompts = [f"<|im_start|>user\n{rules}Game {i}: the opponent played [{i % 9}].<|im_end|>\n<|im_start|>assistant\n"
                for i in range(n)]
     completions = [f"I play [{(i + 4) % 9}]" + " because it blocks the row" * (i % 9) for i in range(n)]
