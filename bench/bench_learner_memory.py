@@ -1,7 +1,7 @@
 """What `learn.gradient_checkpointing` (every job's default) saves in memory, and what it costs in time.
 
-One learner update on rows of a job's shape (Kuhn Poker: ~570 tokens; the TicTacToe learning job:
-~300; micro-batches of `--micro` rows), with and without checkpointing, each in a fresh process
+One learner update on rows of `--repeat` copies of a rules text (10: ~430 tokens a row, between the
+TicTacToe learning job's ~314 and the Kuhn jobs' ~570; micro-batches of `--micro` rows), with and without checkpointing, each in a fresh process
 (so one variant's allocations cannot hide the other's) and in turn (A B A B). A process builds its
 Trainer (model and adapter resident), resets the kernel's high-water mark of its resident memory
 (`/proc/self/clear_refs`, Linux: loading's transient peak is not the learner's) and makes two
@@ -59,7 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--micro", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=10, help="copies of the rules text in each prompt (10: ~570 tokens)")
+    ap.add_argument("--repeat", type=int, default=10, help="copies of the rules text in each prompt (10: ~430-token rows)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--model", default="builtin:smollm2-135m-instruct")

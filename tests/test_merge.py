@@ -156,7 +156,7 @@ def test_zero_lora_is_the_base_model_even_from_a_dora_adapter(tiny, tmp_path):
 def test_zero_lora_is_built_once_per_adapter_shape(tiny, tmp_path_factory):
     """The zero LoRA lives in the model cache under a name made from the adapter's shape, not in a temp
     folder per engine: two checkpoints of one run share it (and a killed worker leaves no copy
-    behind); an adapter of another rank gets its own."""
+    behind); an adapter with other target modules gets its own."""
     from unstable_dask.inference.vllm_engine import zero_adapter
     a, b = random_adapters(tiny, tmp_path_factory, n=2)
     wide = random_adapters(tiny, tmp_path_factory, n=1, target_modules=("q_proj", "k_proj", "v_proj", "down_proj"))[0]

@@ -34,8 +34,8 @@ class LearnConfig(Strict):
     updates_per_round: int = Field(1, gt=0, le=MAX_UPDATES)
     """Sampled batches (updates) per learner iteration, each with its own seed."""
     gradient_checkpointing: bool = True
-    """Recompute activations in the backward pass: measured on CPU at the Kuhn jobs' shape, 0.31x the
-    update's peak memory at 0.70x the speed (BENCHMARKS.md, bench_learner_memory.py)."""
+    """Recompute activations in the backward pass: measured on CPU (SmolLM2, ~430-token rows,
+    micro-batches of 8), 0.31x the update's peak memory at 0.70x the speed (BENCHMARKS.md)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the update runs; auto: a GPU worker of the cluster, or this machine's GPU, else CPU."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"

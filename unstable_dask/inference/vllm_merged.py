@@ -99,8 +99,8 @@ class MergedWeights:
             self.merged, self.reloads = target, self.reloads + 1
         finally:
             # vLLM's reload_weights copies the tensors into the engine's own as it reads them, so the
-            # files go at once (kept until the next reload, a worker killed rather than closed left
-            # ~0.5 GB in /tmp).
+            # files can go at once; kept until the next reload, they were left in /tmp (~0.5 GB) by
+            # every worker killed rather than closed.
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
             self.reloading = False
