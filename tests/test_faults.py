@@ -322,3 +322,45 @@ def test_a_cluster_teardown_that_times_out_after_a_played_round_keeps_the_round(
     _assert_round_whole(tmp_path / "lake", 3)
     assert Lake(tmp_path / "lake").rounds("demo") == [0]
     assert "round 0 of run 'demo' is committed, but shutting its cluster down failed (TimeoutError" in out.getvalue()
+
+
+_PARENT = """
+import subprocess, sys, time
+from unstable_dask.inference.reaper import watch_this_process
+watch_this_process()
+# like vLLM's engine core: ignores SIGTERM, and has a child of its own
+child = subprocess.Popen([sys.executable, "-c", "import signal, subprocess, sys, time; "
+                          "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+                          "print(g.pid, flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+print(child.pid, child.stdout.readline().strip(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_engines_processes_die_with_the_process_that_started_them():
+    """A worker that dies without any teardown (its driver SIGKILLed, the OOM killer) takes its
+    engine's processes with it, also one that ignores SIGTERM and its own child; none die before."""
+    import psutil
+
+    from unstable_dask.inference.reaper import POLL_S
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], env=env, stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids = [int(x) for x in parent.stdout.readline().split()]
+        assert len(pids) == 2
+        procs = [psutil.Process(p) for p in pids]
+        time.sleep(3 * POLL_S)  # a few of the reaper's polls: it has listed both
+        assert all(p.is_running() for p in procs)
+        parent.kill()
+        parent.wait()
+        _, alive = psutil.wait_procs(procs, timeout=30)
+        assert not alive, f"{[p.pid for p in alive]} outlived the process that started them"
+    finally:
+        parent.kill()
+        for pid in pids:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass

@@ -5,7 +5,8 @@ Covers: batched generation on builtin:tiny, behaviour log-probs equal to the lea
 (on-policy ratio 1) and draws from that very distribution, LoRA hot-swap between two adapters on
 one resident engine, a round with backend = "vllm" through a real Dask worker, the learning job's
 real shape (SmolLM2, two dozen ~250-token prompts a step, a LoRA adapter in half the seats,
-seeded: prefill that vLLM would chunk), and two engine workers on one machine.
+seeded: prefill that vLLM would chunk), two engine workers on one machine, and a driver killed
+mid-round that leaves no engine process behind.
 """
 import importlib.metadata
 import os
@@ -247,6 +248,59 @@ def test_round_with_vllm_backend(tmp_path, cache):
                      AND (prompt_tokens <= 0 OR len(logprobs) <> completion_tokens
                           OR len(completion_token_ids) <> completion_tokens OR group_id IS NULL)""").fetchall()[0][0]
     assert bad == 0
+
+
+def test_a_driver_killed_mid_round_leaves_no_engine_process(tmp_path):
+    """SIGTERM to a round's driver (a batch system's cancel, `kill`) while two vLLM workers play:
+    their engine processes stop with them instead of running on under init (measured before the
+    fix: each EngineCore's compute worker at ~70% of a core and ~4 GB until SIGKILLed)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from unstable_dask.inference.reaper import GRACE_S, POLL_S
+    sets = {"run.lake": f'"{tmp_path / "lake"}"', "model.backend": '"vllm"', "model.max_new_tokens": 8,
+            "model.max_model_len": 512, "model.lora.rank": 8, "round.train_games": 4000, "round.eval_games": 0,
+            "round.games_per_task": 4, "cluster.n_workers": 2, "cluster.dashboard": "false",
+            **{f"model.vllm.{k}": str(v).lower() for k, v in VLLM.items()}}
+    cmd = [sys.executable, "-m", "unstable_dask.run", "round"] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    root = Path(__file__).resolve().parents[1]
+    log = tmp_path / "driver.log"  # a file, not a pipe: vLLM's start-up logs would fill a pipe and stall
+    driver = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(root)),
+                              stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    me = psutil.Process(driver.pid)
+
+    def engine_cores(procs):
+        out = []
+        for q in procs:
+            try:
+                if "EngineCore" in " ".join(q.cmdline()) or q.name().startswith("VLLM"):
+                    out.append(q)
+            except psutil.Error:
+                pass
+        return out
+    procs: list[psutil.Process] = []
+    try:
+        deadline = time.time() + 420  # two engines starting on 2 cores, beside whatever else runs
+        while len(engine_cores(me.children(recursive=True))) < 2 and driver.poll() is None and time.time() < deadline:
+            time.sleep(1)
+        assert driver.poll() is None, log.read_text()[-2000:]
+        assert len(engine_cores(me.children(recursive=True))) == 2, "the engines never started"
+        time.sleep(3 * POLL_S)  # the workers' reapers have listed them
+        procs = me.children(recursive=True)
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(timeout=60)
+        _, alive = psutil.wait_procs(procs, timeout=30 + GRACE_S)
+        assert not alive, [(q.pid, q.name()) for q in alive]
+    finally:
+        if driver.poll() is None:
+            procs += me.children(recursive=True)
+        for q in [me, *procs]:
+            try:
+                q.kill()
+            except psutil.Error:
+                pass
 
 
 # ---------------------------------------------------------------- the learning job's real shape

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from unstable_dask.config import ModelConfig
-from unstable_dask.inference import aio
+from unstable_dask.inference import aio, reaper
 from unstable_dask.inference import engine as engines
 from unstable_dask.inference.engine import Adapter, Generation, chat_prompt, check_adapter, encode_prompts, prompt_budget
 from unstable_dask.inference.merge import write_zero_lora, zero_lora_name
@@ -174,6 +174,7 @@ class _VLLMModel:
         async def start() -> Any:  # on the loop, so the engine's output handler runs there
             return vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(**args))
 
+        reaper.watch_this_process()  # the engine's processes die with this one, however it dies
         with _own_threads():
             self.engine = aio.run(start())
         # Our own HF tokenizer (same files vLLM loads): identical encoding and chat template
