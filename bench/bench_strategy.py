@@ -15,7 +15,7 @@ the run's checkpoints (a self-play run's verdict) adds its Spearman correlation 
 rating and the last checkpoint's and base model's ratings with intervals. Nothing is typed by hand:
 run it again on the same lakes and the file is the same.
 
-    python bench/bench_strategy.py --lake lake [--lake other-lake ...] [--runs NAME ...]
+    python bench/bench_strategy.py --lake lake [--lake other-lake ...] [--runs NAME ...] [--keep]
 
 Writes bench/results/strategy.json and prints one markdown row per run (its last round).
 """
@@ -29,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 
-from common import row, save  # noqa: E402
+from common import RESULTS, row, save  # noqa: E402
 
 # The learner's eval decisions in Kuhn Poker, by the legal actions of the hand being played (the
 # observation holds the whole game, so the last "available actions" line is the current one); and
@@ -104,6 +104,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lake", action="append", required=True)
     ap.add_argument("--runs", nargs="*")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the runs already in strategy.json that these lakes do not hold (a lake per machine "
+                         "or per session); a run these lakes hold is read again")
+    ap.add_argument("--compare", nargs="+", metavar="RUN",
+                    help="also draw these runs' eval win-rate curves on one chart: bench/results/strategy_compare.svg")
     args = ap.parse_args()
     from unstable_dask.lake import Lake
     runs = []
@@ -115,7 +120,13 @@ def main() -> None:
             runs += [dict(run_rows(con, n), lake=uri, leagues=league_rows(Lake(uri), n)) for n in names]
         finally:
             con.close()
+    if args.keep and (RESULTS / "strategy.json").exists():
+        new = {r["run"] for r in runs}
+        kept = [r for r in json.loads((RESULTS / "strategy.json").read_text())["runs"] if r["run"] not in new]
+        runs = kept + runs
     save("strategy", {"runs": runs})
+    if args.compare:
+        compare(runs, args.compare)
     print(row("run", "seed", "algorithm", "minutes: wall (playing + updating)", "round", "eval win rate [95% CI]", "legal-random [95% CI]",
               "above", "format", "invalid"))
     for r in runs:
@@ -131,6 +142,32 @@ def main() -> None:
             print(f"  {r['run']} in league {g['league']}: Spearman(iteration, rating) {rho} over {g['points']} points; "
                   f"{_rated(g['last_checkpoint'])} vs base {_rated(g['base_model'])}; "
                   f"last checkpoint above the base model: {g['last_above_base']}")
+
+
+def compare(runs: list[dict], names: list[str]) -> None:
+    """The named runs' eval win rate vs the random agent by learner update, with Wilson 95% bands,
+    and legal-random's (the mean over every round of these runs: each measured on its own seeds)."""
+    from unstable_dask.report import charts
+    by_name = {r["run"]: r for r in runs}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise SystemExit(f"--compare: no run {missing[0]!r} in these lakes or in strategy.json")
+    series, bands, base = {}, {}, []
+    for n in names:
+        rounds = [x for x in by_name[n]["rounds"] if x["win_rate"] is not None]
+        label = f"{by_name[n]['algorithm']}, seed {by_name[n]['seed']}"
+        label = f"{n} ({label})" if label in series else label  # a second run of one algorithm and seed
+        series[label] = [(x["round"], x["win_rate"]) for x in rounds]
+        bands[label] = [(x["round"], *x["win_rate_ci"]) for x in rounds]
+        base += [x["legal_random_win_rate"] for x in rounds if x["legal_random_win_rate"] is not None]
+    if base:
+        last = max(x for pts in series.values() for x, _ in pts)
+        series["legal-random (mean)"] = [(0, sum(base) / len(base)), (last, sum(base) / len(base))]
+    chart = charts.line(series, "learner updates (round = checkpoint that played it)", "eval win rate vs random",
+                        y_range=(0, 1), width=480, height=300, bands=bands)
+    if chart is not None:
+        (RESULTS / "strategy_compare.svg").write_text(
+            charts.svg(chart, "Kuhn Poker: eval win rate by update (Wilson 95% CIs)"), encoding="utf-8")
 
 
 def _rated(r: dict | None) -> str:
