@@ -36,7 +36,7 @@ from common import matmul_peak, row, save
 
 def make_batch(tokenizer, n: int, repeat: int = 5) -> pa.Table:
     """`n` learner rows: a chat prompt of `repeat` copies of a rules text (5: ~300 tokens, the TicTacToe
-    learning job's; 10: ~410) and completions of 4-40 tokens."""
+    learning job's; 10: ~410-token prompts, ~430-token rows) and completions of 4-40 tokens."""
     rules = ("You are playing Tic Tac Toe. Make valid moves to win. On your turn, choose a cell by "
              "its number, e.g. [4]. The board so far:\n") * repeat
     prompts = [f"<|im_start|>user\n{rules}Game {i}: the opponent played [{i % 9}].<|im_end|>\n<|im_start|>assistant\n"
