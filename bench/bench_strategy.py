@@ -2,7 +2,8 @@
 
 For each run (its whole validated job, from the lake's `rounds.job`): its wall minutes from the first
 round's start to the last commit (pauses of a resumed run included), the minutes its rounds took and
-its learner's optimizer updates took (no pauses, no engine or learner start-up); per round: the eval win rate (draws half)
+its learner's optimizer updates took (no pauses, no engine or learner start-up); per round: the minutes
+from the run's start to that round's commit, the eval win rate (draws half)
 against each fixed opponent with its Wilson 95% interval, the same games' `legal-random` baseline
 (round.eval_baseline: the random agent, which plays legal moves, in the learner's seats on the
 same seeds) with its interval, format success and invalid-move rate of the learner's eval turns,
@@ -10,7 +11,9 @@ and whether the learner's interval lies entirely above the baseline's. On Kuhn P
 best reply to the random agent is simple to state (bet when you may, never fold:
 bench_kuhn_policies.py), also what the learner chose: the share of its eval decisions with
 `[bet]` legal that bet, and of those facing a bet that fold; the invalid-move rate of each kind of
-decision; and the share of its training turns that faced a bet. Every league of the lake that ranked
+decision; the share of its training turns that faced a bet, and of those the share it folded and
+the game's reward to its seat after a fold and after a call (what the learner was trained on: did
+the move it grew pay?). Every league of the lake that ranked
 the run's checkpoints (a self-play run's verdict) adds its Spearman correlation of iteration and
 rating and the last checkpoint's and base model's ratings with intervals. Nothing is typed by hand:
 run it again on the same lakes and the file is the same.
@@ -39,13 +42,19 @@ SELECT round, avg((move = 'bet')::DOUBLE) FILTER (WHERE ev AND can_bet) AS bet_s
        avg((move = 'fold')::DOUBLE) FILTER (WHERE ev AND facing_bet) AS fold_share, count(*) FILTER (WHERE ev AND facing_bet) AS facing_bet_turns,
        avg(invalid_move::DOUBLE) FILTER (WHERE ev AND can_bet) AS invalid_when_bet_legal,
        avg(invalid_move::DOUBLE) FILTER (WHERE ev AND facing_bet) AS invalid_facing_bet,
-       avg(facing_bet::DOUBLE) FILTER (WHERE NOT ev) AS train_facing_bet_share
-FROM (SELECT round, split = 'eval' AS ev, invalid_move,
+       avg(facing_bet::DOUBLE) FILTER (WHERE NOT ev) AS train_facing_bet_share,
+       avg((move = 'fold')::DOUBLE) FILTER (WHERE NOT ev AND facing_bet) AS train_fold_share,
+       count(*) FILTER (WHERE NOT ev AND facing_bet AND move = 'call') AS train_calls,
+       avg(seat_reward) FILTER (WHERE NOT ev AND facing_bet AND move = 'fold') AS train_reward_after_fold,
+       avg(seat_reward) FILTER (WHERE NOT ev AND facing_bet AND move = 'call') AS train_reward_after_call
+FROM (SELECT round, split = 'eval' AS ev, invalid_move, seat_reward,
              regexp_extract(lower(action), '\[(check|bet|call|fold)\]', 1) AS move,  -- the env's reading
              contains(legal, '[bet]') AS can_bet, contains(legal, '[fold]') AS facing_bet
-      FROM (SELECT round, split, invalid_move, action,
-                   regexp_extract(observation, '(?s).*available actions are: ([^\n]*)', 1) AS legal
-            FROM turns WHERE run = ? AND split IN ('eval', 'train') AND is_learner AND env_id LIKE 'KuhnPoker%'))
+      FROM (SELECT t.round, t.split, t.invalid_move, t.action, g.seat.reward AS seat_reward,
+                   regexp_extract(t.observation, '(?s).*available actions are: ([^\n]*)', 1) AS legal
+            FROM turns t LEFT JOIN (SELECT game_id, unnest(seats) AS seat FROM games WHERE run = $1) g
+              ON g.game_id = t.game_id AND g.seat.pid = t.pid
+            WHERE t.run = $1 AND t.split IN ('eval', 'train') AND t.is_learner AND t.env_id LIKE 'KuhnPoker%'))
 GROUP BY round"""
 
 
@@ -76,6 +85,9 @@ def run_rows(con, run_name: str) -> dict:
     [(play_s, learn_s)] = con.sql("""SELECT (SELECT sum(epoch(committed_at) - epoch(started_at)) FROM rounds WHERE run = $1),
         (SELECT sum(step_time_s) FROM learner_steps WHERE run = $1)""", params=[run_name]).fetchall()
     kuhn = {r[0]: r[1:] for r in con.sql(KUHN_SQL, params=[run_name]).fetchall()}
+    # When each round's eval verdict was in, from the run's start (a claim "within N minutes" reads this).
+    at = dict(con.sql("""SELECT round, (epoch(committed_at) - epoch(min(started_at) OVER ())) / 60 FROM rounds
+                         WHERE run = ?""", params=[run_name]).fetchall())
     rounds = []
     for k in sorted({r["round"] for r in rows}):
         ev = {r["opponent"]: r for r in rows if r["round"] == k and r["split"] == "eval" and r["opponent"] != "*"}
@@ -84,6 +96,7 @@ def run_rows(con, run_name: str) -> dict:
             b = base.get(opp)
             rounds.append({
                 "round": k, "checkpoint": e["checkpoint_uid"], "opponent": opp, "eval_games": e["games"],
+                "minutes_from_start": at.get(k),
                 "win_rate": e["win_rate"], "win_rate_ci": [e["win_rate_low"], e["win_rate_high"]],
                 "legal_random_win_rate": b and b["win_rate"],
                 "legal_random_ci": b and [b["win_rate_low"], b["win_rate_high"]],
@@ -92,7 +105,9 @@ def run_rows(con, run_name: str) -> dict:
             if k in kuhn:  # what it chose, not only how it scored
                 rounds[-1].update(zip(("kuhn_bet_share", "kuhn_bet_legal_turns", "kuhn_fold_share",
                                        "kuhn_facing_bet_turns", "kuhn_invalid_when_bet_legal",
-                                       "kuhn_invalid_facing_bet", "kuhn_train_facing_bet_share"), kuhn[k]))
+                                       "kuhn_invalid_facing_bet", "kuhn_train_facing_bet_share", "kuhn_train_fold_share",
+                                       "kuhn_train_calls", "kuhn_train_reward_after_fold",
+                                       "kuhn_train_reward_after_call"), kuhn[k]))
     return {"run": run_name, "job": job, "seed": job["run"]["seed"],
             "algorithm": job["learn"]["algorithm"], "model": job["model"]["base"],
             "opponents": job["round"]["opponents"]["strategy"],
