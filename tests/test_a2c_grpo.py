@@ -132,7 +132,7 @@ class BigramWithBase(Bigram):
         return out
 
 
-def _steps():
+def completion_steps():
     """(sample, prev token, token) for every completion token, in the loss mask's order."""
     for i, (p, comp) in enumerate(zip(PROMPTS, COMPLETIONS)):
         seq = p + comp
@@ -140,7 +140,7 @@ def _steps():
             yield i, seq[t - 1], seq[t]
 
 
-def _logp(W, prev, tok):
+def token_logp(W, prev, tok):
     return torch.log_softmax(W[prev], -1)[tok].item()
 
 
@@ -150,11 +150,11 @@ def grpo_hand(W, base, old, eps, kl_coef, rows=(0, 1, 2), L=4, weights=None, c=3
     `old` = log pi_old per completion token, `weights` the IS weights (default 1), c the dual clip."""
     weights = weights or [1.0] * len(old)
     loss, grad, acting = 0.0, torch.zeros_like(W), 0
-    for (i, prev, tok), lp_old, w in zip(_steps(), old, weights):
+    for (i, prev, tok), lp_old, w in zip(completion_steps(), old, weights):
         if i not in rows:
             continue
         A = ADV[i].item()
-        lp, ref = _logp(W, prev, tok), _logp(base, prev, tok)
+        lp, ref = token_logp(W, prev, tok), token_logp(base, prev, tok)
         r = math.exp(lp - lp_old)
         l1, l2 = -A * r, -A * min(max(r, 1 - eps), 1 + eps)
         pg = max(l1, l2)
@@ -178,11 +178,11 @@ def grpo_hand(W, base, old, eps, kl_coef, rows=(0, 1, 2), L=4, weights=None, c=3
 RATIOS = [1.5, 0.9, 0.5, 1.05, 1.3, None]
 
 
-def _old_logprobs(W):
+def old_logprobs(W):
     old = [[], [], None]
-    for (i, prev, tok), r in zip(_steps(), RATIOS):
+    for (i, prev, tok), r in zip(completion_steps(), RATIOS):
         if r is not None:
-            old[i].append(_logp(W, prev, tok) - math.log(r))
+            old[i].append(token_logp(W, prev, tok) - math.log(r))
     return old
 
 
@@ -193,12 +193,12 @@ def test_grpo_loss_and_grads_equal_hand_computation(kl_coef, mini):
     engine's log-probs enter as truncated importance weights min(pi_old / pi_b, 2)."""
     model = BigramWithBase()
     w0 = model.W.detach().clone()
-    b = as_batch(batch(), logprobs=_old_logprobs(w0))
+    b = as_batch(batch(), logprobs=old_logprobs(w0))
     assert b.known.tolist() == [True, True, False]
     args = GRPOConfig(mini_batch_size=mini, grad_clip=1e9, normalization="constant", max_generation_len=4,
                       clip_ratio=0.2, kl_coef=kl_coef)
     m = update(models(model), b, args, CPU)
-    pi_old = [_logp(w0, prev, tok) for _, prev, tok in _steps()]
+    pi_old = [token_logp(w0, prev, tok) for _, prev, tok in completion_steps()]
     loss, grad, acting = grpo_hand(w0, model.base, pi_old, 0.2, kl_coef, weights=[min(r or 1.0, 2.0) for r in RATIOS])
     assert m["loss"] == pytest.approx(loss, abs=1e-6)  # behaviour logprobs are stored as float32
     torch.testing.assert_close(model.W.grad, grad, **TOL)
@@ -214,12 +214,12 @@ def test_masked_importance_sampling_drops_the_tokens_outside_its_band():
     normaliser; the others count unweighted (IcePop-style)."""
     model = BigramWithBase()
     w0 = model.W.detach().clone()
-    b = as_batch(batch(), logprobs=_old_logprobs(w0))
+    b = as_batch(batch(), logprobs=old_logprobs(w0))
     b.mismatch = Mismatch("mask", 1.4)
     args = GRPOConfig(mini_batch_size=3, grad_clip=1e9, normalization="constant", max_generation_len=4)
     update(models(model), b, args, CPU)
     keep = [0.0 if r is not None and not 1 / 1.4 <= r <= 1.4 else 1.0 for r in RATIOS]
-    pi_old = [_logp(w0, prev, tok) for _, prev, tok in _steps()]
+    pi_old = [token_logp(w0, prev, tok) for _, prev, tok in completion_steps()]
     _, grad, _ = grpo_hand(w0, model.base, pi_old, 0.2, 0.0, weights=keep)
     torch.testing.assert_close(model.W.grad, grad, **TOL)
     assert keep.count(0.0) == 2 and b.mismatch.metrics()["is_bounded_frac"] == pytest.approx(2 / 5)

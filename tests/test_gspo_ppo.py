@@ -12,14 +12,14 @@ from unstable_dask.inference.sampling import sampling_logprobs
 from unstable_dask.learn import passes
 from unstable_dask.learn.algorithms import grpo, gspo
 
-from test_a2c_grpo import BigramWithBase, _logp, _steps, grpo_hand
+from test_a2c_grpo import BigramWithBase, completion_steps, grpo_hand, token_logp
 from test_reinforce import ADV, CPU, TOL, as_batch, batch, hand, models
 
 
 def _per_sample(values):
-    """Per-token values (in _steps() order) as the per-sample lists the lake stores."""
+    """Per-token values (in completion_steps() order) as the per-sample lists the lake stores."""
     out = [[], [], []]
-    for (i, _, _), v in zip(_steps(), values):
+    for (i, _, _), v in zip(completion_steps(), values):
         out[i].append(v)
     return out
 
@@ -36,9 +36,9 @@ def gspo_hand(W, old, eps_low, eps_high, weights=(1.0, 1.0, 1.0)):
     n = len(ADV)
     loss, grad, acting = 0.0, torch.zeros_like(W), 0
     for i in range(n):
-        toks = [(prev, tok, o) for (j, prev, tok), o in zip(_steps(), old) if j == i]
+        toks = [(prev, tok, o) for (j, prev, tok), o in zip(completion_steps(), old) if j == i]
         A = ADV[i].item()
-        s = math.exp(sum(_logp(W, prev, tok) - o for prev, tok, o in toks) / len(toks))
+        s = math.exp(sum(token_logp(W, prev, tok) - o for prev, tok, o in toks) / len(toks))
         clip_s = min(max(s, 1 - eps_low), 1 + eps_high)
         clipped = clip_s * A < s * A
         acting += clipped
@@ -90,12 +90,12 @@ def test_gspo_update_takes_pi_old_from_the_learner_and_sequence_weights_from_the
     model = BigramWithBase()
     w0 = model.W.detach().clone()
     log_w = [0.2, -0.1, 0.9, 0.9, 0.9, 0.05]  # log pi_old - log pi_b per token
-    behaviour = [_f32(_logp(w0, prev, tok) - d) for (_, prev, tok), d in zip(_steps(), log_w)]
+    behaviour = [_f32(token_logp(w0, prev, tok) - d) for (_, prev, tok), d in zip(completion_steps(), log_w)]
     b = as_batch(batch(), logprobs=_per_sample(behaviour))
     m = gspo.update(models(model), b, gspo.Config(mini_batch_size=2, grad_clip=1e9, max_generation_len=4), CPU)
-    per_seq = [[d for (i, _, _), d in zip(_steps(), log_w) if i == k] for k in range(3)]
+    per_seq = [[d for (i, _, _), d in zip(completion_steps(), log_w) if i == k] for k in range(3)]
     weights = [min(math.exp(sum(x) / len(x)), 2.0) for x in per_seq]  # 1.05, 2 (capped from 2.46), 1.05
-    hand_loss, grad, acting = gspo_hand(w0, [_logp(w0, prev, tok) for _, prev, tok in _steps()], 3e-4, 4e-4, weights)
+    hand_loss, grad, acting = gspo_hand(w0, [token_logp(w0, prev, tok) for _, prev, tok in completion_steps()], 3e-4, 4e-4, weights)
     assert m["clip_frac"] == 0 == acting and m["clip_frac_first"] == 0
     assert m["loss"] == pytest.approx(hand_loss, abs=1e-5)
     torch.testing.assert_close(model.W.grad, grad, rtol=0, atol=1e-5)  # the weights come from float32 log-probs
@@ -117,7 +117,7 @@ def test_two_epochs_of_two_mini_batches_equal_four_hand_steps():
     before the first step throughout (a no-grad first pass)."""
     model = BigramWithBase()
     w0 = model.W.detach().clone()
-    behaviour = [_f32(_logp(w0, prev, tok)) for _, prev, tok in _steps()]  # on-policy, as the engine stored them
+    behaviour = [_f32(token_logp(w0, prev, tok)) for _, prev, tok in completion_steps()]  # on-policy, as the engine stored them
     args = grpo.Config(mini_batch_size=1, grad_clip=1e9, max_generation_len=4, clip_ratio=0.2,
                        ppo_epochs=2, ppo_mini_batch_size=2)
     b = as_batch(batch(), logprobs=_per_sample(behaviour), seed=7)
@@ -125,12 +125,12 @@ def test_two_epochs_of_two_mini_batches_equal_four_hand_steps():
     schedule = [tuple(sorted(i for micro in step for i in micro))
                 for epoch in passes.plan(batch().attention_mask.sum(-1).tolist(), 2, 1, 2, 7) for step in epoch]
     assert len(schedule) == 4 and sorted(len(s) for s in schedule) == [1, 1, 2, 2]
-    pi_old = [_logp(w0, prev, tok) for _, prev, tok in _steps()]
+    pi_old = [token_logp(w0, prev, tok) for _, prev, tok in completion_steps()]
 
     def hand_steps(eps):
         W, losses, acting, ratios, scored, idle = w0.clone(), [], 0, [], 0, 0
         for rows in schedule:
-            ratios.append([math.exp(_logp(W, p, t) - o) for (i, p, t), o in zip(_steps(), pi_old) if i in rows])
+            ratios.append([math.exp(token_logp(W, p, t) - o) for (i, p, t), o in zip(completion_steps(), pi_old) if i in rows])
             loss, grad, hits = grpo_hand(W, model.base, pi_old, eps, 0.0, rows)
             W, acting, idle = W - grad, acting + hits, idle + int(not grad.any())
             losses.append(loss)
@@ -155,7 +155,7 @@ def test_on_policy_ratio_is_one_at_temperature_and_top_p():
     them): the first step's ratio is 1 (nothing clipped) and its gradient is REINFORCE's at T."""
     model = BigramWithBase()
     w0 = model.W.detach().clone()
-    old = [_f32(sampling_logprobs(w0[prev], 0.7, 0.99)[tok].item()) for _, prev, tok in _steps()]
+    old = [_f32(sampling_logprobs(w0[prev], 0.7, 0.99)[tok].item()) for _, prev, tok in completion_steps()]
     b = as_batch(batch(), temperature=0.7, top_p=0.99, logprobs=_per_sample(old))
     m = grpo.update(models(model), b, grpo.Config(mini_batch_size=3, grad_clip=1e9, max_generation_len=4,
                                                     clip_ratio=1e-4), CPU)

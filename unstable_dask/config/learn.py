@@ -27,6 +27,11 @@ class LearnConfig(Strict):
     """Clip of the gradient's global norm before each optimizer step (UnstableBaselines: 0.2)."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Weight of the policy's entropy bonus (verl's entropy_coeff): the loss minus entropy_coef times
+    the entropy (nats) of the sampling distribution (temperature, top-p) at the completion tokens,
+    aggregated as the policy loss is. It slows the policy's collapse onto the moves it samples most,
+    so a rarely sampled better move can still be found; 0: off, as in UnstableBaselines."""
     max_train_len: Optional[int] = Field(None, gt=0)
     """Truncate prompt + completion to this many tokens (prompt first, from the left); None: no cut."""
     window: Union[Literal["latest", "all"], int] = "latest"
@@ -68,11 +73,11 @@ class LearnConfig(Strict):
     algorithm's class sets its default."""
 
     def silent_rows_have_gradient(self) -> bool:
-        """Whether a row whose advantage is 0 still gives its loss a gradient (a KL penalty does).
-        The trainer then keeps groups whose advantages are all 0 beside groups with signal (their
-        KL term joins the step); a batch with no signal at all makes no step either way
-        (trainer.drop_silent_groups)."""
-        return False
+        """Whether a row whose advantage is 0 still gives its loss a gradient (an entropy bonus or a
+        KL penalty does). The trainer then keeps groups whose advantages are all 0 beside groups
+        with signal (those terms join the step); a batch with no signal at all makes no step either
+        way (trainer.drop_silent_groups)."""
+        return self.entropy_coef > 0
 
     @field_validator("quantization")
     @classmethod

@@ -39,6 +39,15 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     return torch.log_softmax(scores, dim=-1)
 
 
+def sampling_entropy(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Entropy (nats) over the last dimension of the distribution `sampling_logprobs` defines
+    (float32, with gradient; tokens outside the nucleus add nothing, and no NaN)."""
+    logp = sampling_logprobs(logits, temperature, top_p)
+    # 0 * log 0 = 0: zero the -inf entries before the product, so neither value nor gradient is NaN
+    logp = logp.masked_fill(torch.isinf(logp), 0.0)
+    return -(logp.exp() * logp).sum(-1)
+
+
 def masked_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor,
                         temperature: float, top_p: float) -> torch.Tensor:
     """log pi(x_t | x_<t) under (temperature, top_p) for the tokens x_1..x_L-1 of rows of `input_ids`.

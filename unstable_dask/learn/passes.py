@@ -17,7 +17,8 @@ bit whatever the dtype (same shapes, same kernels).
 
 The first pass (or the single pass) also measures the engine/learner mismatch for learner_steps:
 |log pi_old - log pi_b| (mean, max), the share of tokens outside the learner's nucleus (pi_old = 0),
-the weights' mean, max, truncated share and effective sample size, and the policy's entropy.
+the weights' mean, max, truncated share and effective sample size, and the policy's entropy (the
+same per-token entropy that `learn.entropy_coef` rewards, verl's entropy_coeff).
 
 Micro-batches: rows of one optimizer step sorted by length before they are cut, each trimmed to its
 longest row, and the LM head applied only from the micro-batch's first completion position on
@@ -87,6 +88,18 @@ class Pass:
         """The same tokens' log-probs from the same logits under other sampling settings (per row of
         the pass), with gradient."""
         return completion_logprobs(self.logits, self.window_ids, self.window_lm, temperature, top_p)
+
+    def entropy(self, temperature: Sequence[float], top_p: Sequence[float], grad: bool) -> "torch.Tensor":
+        """[b, W] entropy (nats) of each row's sampling distribution (its temperature and top-p, per
+        row of the pass) at its completion positions, 0 elsewhere; with gradient when `grad`."""
+        import torch
+
+        from unstable_dask.inference.sampling import sampling_entropy
+        keep = self.mask.bool()
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+            parts = [sampling_entropy(self.logits[i][keep[i]], temperature[i], top_p[i]) for i in range(keep.shape[0])]
+            values = torch.cat(parts) if parts else self.mask.new_zeros(0)
+            return torch.zeros(keep.shape, dtype=values.dtype, device=values.device).masked_scatter(keep, values)
 
 
 def forward(model: Any, tokens: Tokens, rows: list[int], temperature: Sequence[float], top_p: Sequence[float],
@@ -176,20 +189,9 @@ class Mismatch:
             return torch.ones_like(ratio), mask * inside
         return torch.ones_like(ratio), mask
 
-    def add_entropy(self, logits: "torch.Tensor", mask: "torch.Tensor", temperature: Sequence[float],
-                    top_p: Sequence[float]) -> None:
-        """Entropy of the learner's sampling distribution at the completion positions (no gradient)."""
-        import torch
-
-        from unstable_dask.inference.sampling import sampling_logprobs
-        with torch.no_grad():
-            for i in range(logits.shape[0]):
-                at = mask[i].bool()
-                if not bool(at.any()):
-                    continue
-                lp = sampling_logprobs(logits[i][at], temperature[i], top_p[i])
-                p = lp.exp()
-                self.entropy_sum += float(-(torch.where(p > 0, p * lp, torch.zeros_like(lp))).sum())
+    def add_entropy(self, entropy: "torch.Tensor", mask: "torch.Tensor") -> None:
+        """Record a pass's per-token entropies (`Pass.entropy`) at the completion positions."""
+        self.entropy_sum += float((entropy.detach() * mask).sum())
 
     def fresh_gap(self) -> Optional[float]:
         """Mean |log pi_old - log pi_b| over the tokens of Batch.fresh rows (None: none)."""

@@ -234,8 +234,8 @@ def compute_dtype(name: str, device: torch.device, hidden_size: int) -> torch.dt
 def drop_silent_groups(table: pa.Table, drop: bool = True) -> tuple[pa.Table, dict]:
     """The batch without the groups ((group_id, pid)) whose every advantage is exactly 0: when
     nothing but the advantage weighs a row (`drop`) they carry no signal, and mini-batches full of
-    them would make AdamW step on its momentum alone. With `drop` False (a KL penalty gives such
-    rows a gradient) they stay beside groups that have signal; a batch with none at all is dropped
+    them would make AdamW step on its momentum alone. With `drop` False (an entropy bonus or a KL
+    penalty gives such rows a gradient) they stay beside groups that have signal; a batch with none at all is dropped
     whole all the same: its update would be the KL term's alone, which AdamW scales to a full step
     (at saturation, every group won, that step pulled a solved policy back towards the base:
     1.00 -> 0.25 in one round, tests/test_learning.py). Returns the table and learner_steps

@@ -26,7 +26,8 @@ engine that sampled the token (pi_old / pi_b, truncated at learn.is_cap), as ver
     l     = max(l1, l2)                                   (PPO's clip)
     l     = min(l, -A_i * clip_ratio_c)   where A_i < 0    (dual-clip; clip_ratio_c = 3, 0: off)
     k3    = min(exp(ref - log pi_T) - (ref - log pi_T) - 1, 10)   (the KL to the base, clamped)
-    loss  = aggregate over tokens of  w_t * l + kl_coef * k3      (`normalization`: see reinforce.py)
+    loss  = aggregate over tokens of  w_t * l + kl_coef * k3 - entropy_coef * H_t
+                                                   (`normalization`: see reinforce.py)
 
 The k3 KL is to the frozen base (the adapter disabled), with both at the row's temperature and
 without top-p (pi_T, ref): truncated distributions have different supports, where KL is infinite.
@@ -78,7 +79,7 @@ class PPOConfig(LearnConfig):
     sampling_transforms: list[str] = ["GroupRelativeAdvantage()"]
 
     def silent_rows_have_gradient(self) -> bool:
-        return self.kl_coef > 0
+        return self.kl_coef > 0 or super().silent_rows_have_gradient()
 
     @field_validator("ppo_mini_batch_size")
     @classmethod
@@ -155,8 +156,8 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
                     p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device)
                     old_all[rows, p.start:p.end] = p.logp.cpu()
                     weigh(p, p.logp)
-                    batch.mismatch.add_entropy(p.logits, p.mask, [batch.temperature[i] for i in rows],
-                                               [batch.top_p[i] for i in rows])
+                    batch.mismatch.add_entropy(p.entropy([batch.temperature[i] for i in rows],
+                                                         [batch.top_p[i] for i in rows], grad=False), p.mask)
     model.train()
     steps = []
     for epoch in epochs:
@@ -166,14 +167,16 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
             optimizer.zero_grad(set_to_none=True)
             s = dict(loss=0.0, pg_loss=0.0, kl=0.0, logp=0.0, ppo_kl=0.0, tokens=0.0, clipped=0.0, counted=0.0)
             for rows in step:  # gradient accumulation over micro-batches
-                temp = [batch.temperature[i] for i in rows]
+                temp, top = [batch.temperature[i] for i in rows], [batch.top_p[i] for i in rows]
                 p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device)
+                entropy = p.entropy(temp, top, grad=True) if args.entropy_coef > 0 else None
                 if several:
                     old = p.take(old_all)
                 else:  # one optimizer step: theta = theta_old in it
                     old = p.logp.detach()
                     weigh(p, old)
-                    batch.mismatch.add_entropy(p.logits.detach(), p.mask, temp, [batch.top_p[i] for i in rows])
+                    batch.mismatch.add_entropy(entropy if entropy is not None else p.entropy(temp, top, grad=False),
+                                               p.mask)
                 if per_sequence:
                     w, mask = w_all[rows].to(old.device), p.mask * keep_all[rows].to(old.device).unsqueeze(-1)
                 else:
@@ -190,6 +193,9 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
                     k3 = (d.exp() - d - 1).clamp(max=10.0)
                     kl = passes.aggregate(k3, mask, args.normalization, args.max_generation_len, m, step_tokens)
                     loss = loss + args.kl_coef * kl
+                if entropy is not None:
+                    loss = loss - args.entropy_coef * passes.aggregate(entropy, p.mask, args.normalization,
+                                                                       args.max_generation_len, m, step_tokens)
                 loss.backward()
                 s["loss"] += loss.item()
                 s["pg_loss"] += pg.item()

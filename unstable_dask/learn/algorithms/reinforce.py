@@ -11,6 +11,9 @@ the engine's own numerics), and the loss, aggregated as `normalization` says:
     "seq-mean-token-mean"  -mean_i [ A_i * mean_t w_t log pi_t ]
     "token-mean"           -sum_{i,t} A_i w_t log pi_t / (completion tokens of the batch)  (DAPO)
 
+minus learn.entropy_coef times the entropy H_t of the sampling distribution at each completion
+token, aggregated the same way (verl: policy_loss = pg_loss - entropy_coeff * entropy_loss),
+
 accumulated over micro-batches of mini_batch_size rows, then grad clip, one AdamW step (skipped
 when the gradient is exactly zero: AdamW's momentum would move the adapter for nothing). One
 optimizer step means pi_old is the gradient pass's own log-prob: no extra forward pass.
@@ -51,20 +54,26 @@ def update(models: Models, batch: Batch, args: Config, device) -> dict:
     optimizer.zero_grad(set_to_none=True)
     (step,), = passes.plan(tokens.attention_mask.sum(-1).tolist(), None, args.mini_batch_size, 1, batch.seed)
     n_tokens = int(tokens.loss_mask.sum())
-    loss_sum, logp_sum = 0.0, 0.0
+    loss_sum, pg_sum, logp_sum = 0.0, 0.0, 0.0
     for rows in step:
         p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device)
         old = p.logp.detach()  # theta = theta_old in the one optimizer step
         w, mask = batch.mismatch.weights(old, p.take(batch.behaviour), batch.known[rows].to(old.device), p.mask,
                                          batch.fresh_rows(rows))
-        batch.mismatch.add_entropy(p.logits.detach(), p.mask, [batch.temperature[i] for i in rows],
-                                   [batch.top_p[i] for i in rows])
+        entropy = p.entropy([batch.temperature[i] for i in rows], [batch.top_p[i] for i in rows],
+                            grad=args.entropy_coef > 0)
+        batch.mismatch.add_entropy(entropy, p.mask)
         adv = batch.advantages[rows].to(device, p.logp.dtype).unsqueeze(-1)
-        loss = -passes.aggregate(adv * w * p.logp, mask, args.normalization, args.max_generation_len, n, n_tokens)
+        pg = -passes.aggregate(adv * w * p.logp, mask, args.normalization, args.max_generation_len, n, n_tokens)
+        loss = pg
+        if args.entropy_coef > 0:
+            loss = pg - args.entropy_coef * passes.aggregate(entropy, p.mask, args.normalization,
+                                                             args.max_generation_len, n, n_tokens)
         loss.backward()
         loss_sum += loss.item()
+        pg_sum += pg.item()
         logp_sum += passes.aggregate(old, p.mask, args.normalization, args.max_generation_len, n, n_tokens).item()
     skipped = passes.step_is_zero(optimizer)
     grad_norm = 0.0 if skipped else clip_and_step(optimizer, args.grad_clip)
-    return dict(loss=loss_sum, pg_loss=loss_sum, logp_mean=logp_sum, grad_norm=grad_norm,
+    return dict(loss=loss_sum, pg_loss=pg_sum, logp_mean=logp_sum, grad_norm=grad_norm,
                 optimizer_steps=0 if skipped else 1, skipped_steps=int(skipped), step_time_s=time.perf_counter() - t0)
