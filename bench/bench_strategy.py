@@ -12,8 +12,11 @@ best reply to the random agent is simple to state (bet when you may, never fold:
 bench_kuhn_policies.py), also what the learner chose: the share of its eval decisions with
 `[bet]` legal that bet, and of those facing a bet that fold; the invalid-move rate of each kind of
 decision; the share of its training turns that faced a bet, and of those the share it folded and
-the game's reward to its seat after a fold and after a call (what the learner was trained on: did
-the move it grew pay?). Every league of the lake that ranked
+the game's reward to its seat after a fold and after a call; of its training turns with `[bet]`
+legal, how many bet and the game's reward after a bet and after a check (what the learner was
+trained on: did the move it grew pay, and was the better one sampled at all?); and the policy's
+sampling entropy on the round's own training samples (learner_steps.entropy of the updates that
+trained on them: what `learn.entropy_coef` holds up). Every league of the lake that ranked
 the run's checkpoints (a self-play run's verdict) adds its Spearman correlation of iteration and
 rating and the last checkpoint's and base model's ratings with intervals. Nothing is typed by hand:
 run it again on the same lakes and the file is the same.
@@ -46,7 +49,11 @@ SELECT round, avg((move = 'bet')::DOUBLE) FILTER (WHERE ev AND can_bet) AS bet_s
        avg((move = 'fold')::DOUBLE) FILTER (WHERE NOT ev AND facing_bet) AS train_fold_share,
        count(*) FILTER (WHERE NOT ev AND facing_bet AND move = 'call') AS train_calls,
        avg(seat_reward) FILTER (WHERE NOT ev AND facing_bet AND move = 'fold') AS train_reward_after_fold,
-       avg(seat_reward) FILTER (WHERE NOT ev AND facing_bet AND move = 'call') AS train_reward_after_call
+       avg(seat_reward) FILTER (WHERE NOT ev AND facing_bet AND move = 'call') AS train_reward_after_call,
+       count(*) FILTER (WHERE NOT ev AND can_bet) AS train_bet_legal_turns,
+       count(*) FILTER (WHERE NOT ev AND can_bet AND move = 'bet') AS train_bets,
+       avg(seat_reward) FILTER (WHERE NOT ev AND can_bet AND move = 'bet') AS train_reward_after_bet,
+       avg(seat_reward) FILTER (WHERE NOT ev AND can_bet AND move = 'check') AS train_reward_after_check
 FROM (SELECT round, split = 'eval' AS ev, invalid_move, seat_reward,
              regexp_extract(lower(action), '\[(check|bet|call|fold)\]', 1) AS move,  -- the env's reading
              contains(legal, '[bet]') AS can_bet, contains(legal, '[fold]') AS facing_bet
@@ -88,6 +95,8 @@ def run_rows(con, run_name: str) -> dict:
     # When each round's eval verdict was in, from the run's start (a claim "within N minutes" reads this).
     at = dict(con.sql("""SELECT round, (epoch(committed_at) - epoch(min(started_at) OVER ())) / 60 FROM rounds
                          WHERE run = ?""", params=[run_name]).fetchall())
+    entropy = dict(con.sql("""SELECT r, avg(entropy) FROM (SELECT unnest(rounds) AS r, entropy FROM learner_steps
+                              WHERE run = ?) GROUP BY r""", params=[run_name]).fetchall())
     rounds = []
     for k in sorted({r["round"] for r in rows}):
         ev = {r["opponent"]: r for r in rows if r["round"] == k and r["split"] == "eval" and r["opponent"] != "*"}
@@ -101,13 +110,16 @@ def run_rows(con, run_name: str) -> dict:
                 "legal_random_win_rate": b and b["win_rate"],
                 "legal_random_ci": b and [b["win_rate_low"], b["win_rate_high"]],
                 "above_baseline": bool(b and e["win_rate_low"] > b["win_rate_high"]),
-                "format_success": e["format_success"], "invalid_rate": e["invalid_rate"]})
+                "format_success": e["format_success"], "invalid_rate": e["invalid_rate"],
+                "learner_entropy": entropy.get(k)})
             if k in kuhn:  # what it chose, not only how it scored
                 rounds[-1].update(zip(("kuhn_bet_share", "kuhn_bet_legal_turns", "kuhn_fold_share",
                                        "kuhn_facing_bet_turns", "kuhn_invalid_when_bet_legal",
                                        "kuhn_invalid_facing_bet", "kuhn_train_facing_bet_share", "kuhn_train_fold_share",
                                        "kuhn_train_calls", "kuhn_train_reward_after_fold",
-                                       "kuhn_train_reward_after_call"), kuhn[k]))
+                                       "kuhn_train_reward_after_call", "kuhn_train_bet_legal_turns",
+                                       "kuhn_train_bets", "kuhn_train_reward_after_bet",
+                                       "kuhn_train_reward_after_check"), kuhn[k]))
     return {"run": run_name, "job": job, "seed": job["run"]["seed"],
             "algorithm": job["learn"]["algorithm"], "model": job["model"]["base"],
             "opponents": job["round"]["opponents"]["strategy"],

@@ -142,7 +142,7 @@ LEARNER_STEPS = pa.schema([
     _f("is_weight_max", pa.float64()),
     _f("is_bounded_frac", pa.float64(), "share of weights above learn.is_cap (mask mode: or below 1/is_cap)"),
     _f("is_ess", pa.float64(), "effective sample size of the weights, as a share of the tokens"),
-    _f("zero_std_group_frac", pa.float64(), "share of the batch's groups whose advantages were all 0 (dropped unless a KL penalty gives them a gradient)"),
+    _f("zero_std_group_frac", pa.float64(), "share of the batch's groups whose advantages were all 0 (dropped unless an entropy bonus or a KL penalty gives them a gradient)"),
     _f("rows_dropped", pa.int64(), "batch rows of those groups"),
     _f("skipped_steps", pa.int32(), "optimizer steps skipped because the gradient was exactly 0"),
     _f("staleness_max", pa.int32(), "learner iterations between the checkpoint that played a row and the one trained"),
