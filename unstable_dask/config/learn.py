@@ -30,8 +30,9 @@ class LearnConfig(Strict):
     entropy_coef: float = Field(0.0, ge=0.0)
     """Weight of the policy's entropy bonus (verl's entropy_coeff): the loss minus entropy_coef times
     the entropy (nats) of the sampling distribution (temperature, top-p) at the completion tokens,
-    aggregated as the policy loss is. It slows the policy's collapse onto the moves it samples most,
-    so a rarely sampled better move can still be found; 0: off, as in UnstableBaselines."""
+    aggregated as the policy loss is: a brake on the policy's collapse onto the moves it samples
+    most. It acts on every token, not on moves: on the Kuhn job 0.05 spread probability onto text
+    that is not a move and did not bring back a dropped move (BENCHMARKS.md). 0: off, as in UB."""
     max_train_len: Optional[int] = Field(None, gt=0)
     """Truncate prompt + completion to this many tokens (prompt first, from the left); None: no cut."""
     window: Union[Literal["latest", "all"], int] = "latest"
