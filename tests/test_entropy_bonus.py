@@ -68,6 +68,12 @@ def test_reinforce_loss_is_the_policy_loss_minus_the_entropy_bonus(normalization
     assert m["loss"] == pytest.approx(m["pg_loss"] - c * h, rel=1e-6, abs=1e-6)
     assert b.mismatch.metrics()["entropy"] == pytest.approx(h_mean, abs=1e-6)
     assert math.isfinite(m["grad_norm"]) and not torch.isnan(model.W.grad).any()
+    # the bonus's gradient on its own, nucleus included: the same update without it differs by -c dH
+    plain = Bigram()
+    reinforce.update(models(plain), as_batch(batch(), temperature=T, top_p=top_p),
+                     reinforce.Config(mini_batch_size=mini, grad_clip=1e9, normalization=normalization,
+                                      max_generation_len=4), CPU)
+    torch.testing.assert_close(model.W.grad - plain.W.grad, -c * dh, **TOL)
 
 
 @pytest.mark.parametrize("kl_coef", [0.0, 0.1])
