@@ -14,9 +14,10 @@ opponent folds, and the best reply to a random player is to bet whenever it may 
 fold-J ties always-aggressive game for game (a J loses every showdown), and card-sense, which
 checks a Q or a J, gives that fold equity away and scores below legal-random.
 
-    python bench/bench_kuhn_policies.py [--games 4000] [--env KuhnPoker-v0-train]
+    python bench/bench_kuhn_policies.py [--games 4000] [--env KuhnPoker-v0-train] [--name kuhn_policies]
 
-Writes bench/results/kuhn_policies.json. No model is involved: this says what a learning claim
+Writes bench/results/<name>.json (one-hand Kuhn Poker: `--env KuhnPoker-v0-single-train
+--name kuhn_policies_single`). No model is involved: this says what a learning claim
 on Kuhn Poker has to beat (legal-random) and what the game allows (the best policy).
 """
 from __future__ import annotations
@@ -78,6 +79,8 @@ def play(env_id: str, policy, seat: int, seed: int) -> float:
     import textarena as ta
 
     from unstable_dask.play.agents import random_move
+    from unstable_dask.play.envs import register_envs
+    register_envs()  # the project's own variants (KuhnPoker-v0-single)
     env = ta.make(env_id)
     env.reset(num_players=2, seed=seed)
     rng = random.Random(seed)
@@ -95,13 +98,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--games", type=int, default=4000)
     ap.add_argument("--env", default="KuhnPoker-v0-train")
+    ap.add_argument("--name", default="kuhn_policies", help="results file name (bench/results/NAME.json)")
     args = ap.parse_args()
     out = {}
     for name, policy in POLICIES.items():
         scores = [play(args.env, policy, g % 2, 10_000 + g) for g in range(args.games)]
         p = sum(scores) / len(scores)
         out[name] = {"win_rate": p, "games": len(scores), "stderr": (p * (1 - p) / len(scores)) ** 0.5}
-    path = save("kuhn_policies", {"env": args.env, "policies": out})
+    path = save(args.name, {"env": args.env, "policies": out})
     print(row("policy vs random", "win rate (draws half)", "games"))
     for name, r in out.items():
         print(row(name, f"{r['win_rate']:.3f} ± {1.96 * r['stderr']:.3f}", r["games"]))

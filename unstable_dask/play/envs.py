@@ -1,4 +1,4 @@
-"""The project's own TextArena env: WinningNumber, a game where one action wins.
+"""The project's own TextArena envs: WinningNumber, a game where one action wins, and one-hand Kuhn Poker.
 
 The observation lists the legal moves (`Available Moves: [0], [1], ...`); the first legal digit in
 the action is the player's pick (lenient on purpose: "[0]", "0" and "I pick 0" all pick 0), and picking the winning number (fixed by the env id, so a policy
@@ -12,6 +12,11 @@ the winning action quickly, even from a random-init model.
 Single player: win 1, wrong number 0, no legal digit (after the error allowance) -1. Two players (each picks once, in turn): the one who picks
 the winning number while the other does not wins (+1/-1), otherwise a draw. An action without a
 legal number is an invalid move (TextArena's error allowance applies: resubmit, then forfeit).
+KuhnPoker-v0-single is TextArena's Kuhn Poker dealt for one hand (`max_rounds=1`, the textbook
+game; TextArena's own ids play 3 to 25 hands): the game's +-1 is that hand's result, so a move is
+credited with its own hand only, not with the later hands' moves and forfeits. Same wrappers as
+TextArena's KuhnPoker-v0 (`-train`, `-raw` versions included).
+
 `register_envs()` is idempotent; every worker calls it before `ta.make`.
 """
 from __future__ import annotations
@@ -75,6 +80,9 @@ class WinningNumberEnv(ta.Env):
 
 _IDS = {"WinningNumber-v0": dict(numbers=4, winning=0), "WinningNumber-v0-hard": dict(numbers=10, winning=7),
         "WinningNumber-v0-coin": dict(numbers=2, winning=0)}
+# Variants of TextArena's own envs: new id -> (the TextArena id whose entry point and wrappers it
+# shares, its keyword arguments).
+_VARIANTS = {"KuhnPoker-v0-single": ("KuhnPoker-v0", dict(max_rounds=1))}
 
 
 def register_envs() -> None:
@@ -86,4 +94,12 @@ def register_envs() -> None:
             id=env_id, entry_point=WinningNumberEnv,
             wrappers={"default": [LLMObservationWrapper, ActionFormattingWrapper],
                       "-train": [GameMessagesObservationWrapper, ActionFormattingWrapper]},
+            **kwargs)
+    for env_id, (like, kwargs) in _VARIANTS.items():
+        if env_id in ENV_REGISTRY:
+            continue
+        register_with_versions(
+            id=env_id, entry_point=ENV_REGISTRY[like].entry_point,
+            wrappers={"default": ENV_REGISTRY[like].default_wrappers,
+                      "-train": ENV_REGISTRY[f"{like}-train"].default_wrappers},
             **kwargs)
