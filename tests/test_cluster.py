@@ -3,6 +3,8 @@ CPU), jobqueue batch scripts, user errors, and no lost games when a worker retir
 """
 import os
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -113,6 +115,45 @@ def test_local_workers_split_the_cores_whatever_cluster_came_before(monkeypatch)
         # vLLM's compute threads: vLLM's own choice for one worker, cores of their own for several
         assert sorted(bound.values(), key=str) == ([None] if n == 1 else sorted(cpu_share(i, n) for i in range(n)))
         assert _thread_env() == (None, None)
+
+
+# A fresh interpreter that opens a 2-worker local cluster and only then imports torch and builds a
+# CPU learner, as `loop` does: it prints torch's threads before and after the Trainer.
+_LATE_TORCH = """
+from unstable_dask.cluster.client import open_client
+from unstable_dask.config import ClusterConfig
+from unstable_dask.jobfile import load_job
+with open_client(ClusterConfig(kind="local", n_workers=2, dashboard=False)):
+    import torch
+    before = torch.get_num_threads()
+    from unstable_dask.learn.trainer import Trainer
+    Trainer(load_job(None), None, torch.device("cpu"))
+    print(before, torch.get_num_threads())
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to tell 1 thread from all")
+@pytest.mark.parametrize("exported", [None, "1"])
+def test_learner_in_the_driver_computes_on_the_cores_the_process_started_with(exported):
+    # A local cluster's nannies write their workers' OMP_NUM_THREADS (1 each with 2 workers on 2
+    # cores) into the driver's environment, and torch imported after that took it: the learner of
+    # `loop` computed on one core of two. A value the user exported is kept.
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    if exported:
+        env["OMP_NUM_THREADS"] = exported
+    out = subprocess.run([sys.executable, "-c", _LATE_TORCH], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = map(int, out.stdout.split()[-2:])
+    if exported:
+        assert after == 1
+    else:
+        assert before == 1  # what the nannies' value gave torch
+        assert after == min(len(os.sched_getaffinity(0)), _physical_cores())
+
+
+def _physical_cores() -> int:
+    import psutil
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 # ---------------------------------------------------------------- batch scripts

@@ -27,13 +27,19 @@ from unstable_dask.config import ClusterConfig
 from unstable_dask.errors import JobError
 
 __all__ = ["open_client", "task_resources", "job_script", "visible_gpus", "local_gpu_workers",
-           "worker_config", "cpu_share", "JOBQUEUE_KINDS"]
+           "worker_config", "cpu_share", "driver_threads", "THREAD_VARS", "JOBQUEUE_KINDS"]
 
 # Settings every worker of ours runs with, whatever the kind.
 #  - daemon False: vLLM V1 starts its engine core as a child process, which a daemonic
 #    multiprocessing process may not do.
 #  - spawn: a forked vLLM worker would inherit the parent's threads and CUDA state.
 WORKER_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+
+# The thread counts a worker process is started with (worker_config: its share of the cores).
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+# This process's own OMP_NUM_THREADS, read before any cluster of ours opened: a local cluster's
+# nannies write their workers' values into this process's environment while it is open.
+_STARTED_WITH = os.environ.get("OMP_NUM_THREADS")
 
 
 def worker_config(cfg: Optional[ClusterConfig] = None) -> dict[str, Any]:
@@ -51,9 +57,31 @@ def worker_config(cfg: Optional[ClusterConfig] = None) -> dict[str, Any]:
         # Dask pins every worker to 1 BLAS/OpenMP thread; local CPU workers split the cores
         # instead, so one worker on a 2-core laptop is not left at half speed.
         threads = max(1, (os.cpu_count() or 1) // cfg.n_workers)
-        env.update({k: threads for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
+        env.update({k: threads for k in THREAD_VARS})
     out["distributed.nanny.pre-spawn-environ"] = env
     return out
+
+
+def driver_threads() -> int:
+    """Threads for torch's work in this process (the learner of `loop` and `learn`): OMP_NUM_THREADS
+    as the process was started with, else its physical cores (torch's own default) within the
+    cores it may run on.
+
+    torch sizes its thread pool from OMP_NUM_THREADS when it is imported (and again in each new
+    thread until a size is set), and the driver imports it late: inside `loop` while a local
+    cluster is open, whose nannies have written their workers' share into this process's
+    environment (1 with 2 workers on 2 cores), so the learner computed on one core of two.
+    """
+    import psutil
+    try:
+        started = int(_STARTED_WITH or 0)
+    except ValueError:
+        started = 0
+    if started > 0:
+        return started
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    return max(1, min(cores, allowed))
 
 
 def task_resources(cfg: ClusterConfig, client: Optional[Client] = None) -> Optional[dict[str, float]]:

@@ -30,6 +30,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from unstable_dask.cluster.client import THREAD_VARS
 from unstable_dask.config import ModelConfig
 from unstable_dask.inference import aio, reaper
 from unstable_dask.inference import engine as engines
@@ -60,10 +61,6 @@ def _auto_dtype(dtype: str) -> str:
         return dtype
     import torch
     return "bfloat16" if torch.cuda.is_available() else "float32"
-
-
-# Thread counts a Dask worker exports for the hf engine (cluster/client.py worker_config).
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 @contextlib.contextmanager

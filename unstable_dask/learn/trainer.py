@@ -79,8 +79,11 @@ class Trainer:
         from peft import PeftModel, get_peft_model
         from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+        from unstable_dask.cluster.client import driver_threads
         from unstable_dask.inference.weights import resolve_model
         self.job, self.cfg, self.device = job, job.learn, device
+        if device.type == "cpu":  # not the thread count a local cluster's nannies left in os.environ
+            torch.set_num_threads(driver_threads())
         path = resolve_model(job.model.base)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         pad = self.tokenizer.pad_token_id
