@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from unstable_dask.cluster.client import THREAD_VARS  # noqa: E402
+from unstable_dask.inference.engine import THREAD_VARS  # noqa: E402
 
 
 def model_config():

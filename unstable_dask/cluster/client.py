@@ -25,9 +25,10 @@ from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster, Wor
 from unstable_dask.cluster.jobqueue import JOBQUEUE_KINDS, job_script, open_jobqueue_cluster, parse_duration
 from unstable_dask.config import ClusterConfig
 from unstable_dask.errors import JobError
+from unstable_dask.inference.engine import THREAD_VARS
 
 __all__ = ["open_client", "task_resources", "job_script", "visible_gpus", "local_gpu_workers",
-           "worker_config", "cpu_share", "driver_threads", "THREAD_VARS", "JOBQUEUE_KINDS"]
+           "worker_config", "cpu_share", "driver_threads", "JOBQUEUE_KINDS"]
 
 # Settings every worker of ours runs with, whatever the kind.
 #  - daemon False: vLLM V1 starts its engine core as a child process, which a daemonic
@@ -35,8 +36,6 @@ __all__ = ["open_client", "task_resources", "job_script", "visible_gpus", "local
 #  - spawn: a forked vLLM worker would inherit the parent's threads and CUDA state.
 WORKER_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
-# The thread counts a worker process is started with (worker_config: its share of the cores).
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 # This process's own OMP_NUM_THREADS, read before any cluster of ours opened: a local cluster's
 # nannies write their workers' values into this process's environment while it is open.
 _STARTED_WITH = os.environ.get("OMP_NUM_THREADS")

