@@ -8,11 +8,13 @@ reach decisions (seeded), renders each decision's observation with a template, s
 completion per decision through the project's own engine (`get_engine`, as a round does), and
 reads the move as the round would: `\\boxed{}` extraction, then the env's own rule (the first
 `[check]`/`[bet]`/`[call]`/`[fold]` in the action). Counts are split by decision kind: `open`
-(`[check]` or `[bet]` legal) and `facing` (a bet to call or fold).
+(`[check]` or `[bet]` legal) and `facing` (a bet to call or fold). `--orders listed,reversed` also
+samples each observation with its two move lists (the action rules and the available actions) in
+reverse order: whether the model picks a move for what it is or for where it is listed.
 
     python bench/bench_kuhn_base_moves.py [--model builtin:smollm2-135m-instruct] [--backend auto]
         [--env KuhnPoker-v0-single-train] [--decisions 128] [--templates default,qwen3-zs,chat]
-        [--temperatures 0.7,1.0] [--name kuhn_base_moves]
+        [--temperatures 0.7,1.0] [--orders listed] [--name kuhn_base_moves]
 
 Writes bench/results/<name>.json.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import random
 import re
@@ -32,6 +35,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common import row, save  # noqa: E402
 
 _MOVE = re.compile(r"\[(check|bet|call|fold)\]", re.IGNORECASE)  # KuhnPokerEnv.step's own rule
+_RULES = re.compile(r"(- '\[(?:check|bet|call|fold)\]'.*\n)+")  # the observation's "Action Rules" lines
+_AVAILABLE = re.compile(r"Your available actions are: (.*)$", re.MULTILINE)
+
+
+def reverse_moves(obs: str) -> str:
+    """The observation with its action-rule lines and its available actions in reverse order."""
+    rules = _RULES.search(obs)
+    if rules:
+        obs = obs[:rules.start()] + "".join(rules.group(0).splitlines(keepends=True)[::-1]) + obs[rules.end():]
+    available = _AVAILABLE.search(obs)
+    if available:
+        moves = ", ".join(available.group(1).split(", ")[::-1])
+        obs = obs[:available.start(1)] + moves + obs[available.end(1):]
+    return obs
 
 
 def decisions(env_id: str, n: int) -> list[tuple[str, list[str]]]:
@@ -59,7 +76,7 @@ def decisions(env_id: str, n: int) -> list[tuple[str, list[str]]]:
 
 
 def sample(model: str, backend: str, template: str, temperature: float,
-           cases: list[tuple[str, list[str]]]) -> dict[str, dict[str, int]]:
+           cases: list[tuple[str, list[str]]], reverse: bool = False) -> dict[str, dict[str, int]]:
     from unstable_dask.config.model import ModelConfig
     from unstable_dask.inference.engine import get_engine
     from unstable_dask.play.prompts import extract_action, render_prompt
@@ -67,7 +84,7 @@ def sample(model: str, backend: str, template: str, temperature: float,
     cfg = ModelConfig(base=model, backend=backend, template=template, temperature=temperature,
                       max_new_tokens=24, max_model_len=1024)
     engine = get_engine(cfg)
-    prompts = [render_prompt(template, obs, engine.chat_prompt) for obs, _ in cases]
+    prompts = [render_prompt(template, reverse_moves(obs) if reverse else obs, engine.chat_prompt) for obs, _ in cases]
     counts: dict[str, dict[str, int]] = {"open": collections.Counter(), "facing": collections.Counter()}
     for gen, (_, legal) in zip(engine.generate(prompts, seed=0), cases):
         action, _ = extract_action(gen.text)
@@ -85,22 +102,25 @@ def main() -> None:
     ap.add_argument("--decisions", type=int, default=128)
     ap.add_argument("--templates", default="default,qwen3-zs,chat")
     ap.add_argument("--temperatures", default="0.7,1.0")
+    ap.add_argument("--orders", default="listed", help="listed and/or reversed (the move lists' order)")
     ap.add_argument("--name", default="kuhn_base_moves")
     args = ap.parse_args()
     cases = decisions(args.env, args.decisions)
     results = []
-    print(row("template", "temperature", "open: legal / bets of legal", "facing a bet: legal / folds of legal",
+    print(row("order", "template", "temperature", "open: legal / bets of legal", "facing a bet: legal / folds of legal",
               "seconds"))
-    for template in args.templates.split(","):
-        for t in (float(x) for x in args.temperatures.split(",")):
-            t0 = time.time()
-            counts = sample(args.model, args.backend, template, t, cases)
-            results.append({"template": template, "temperature": t, "counts": counts,
-                            "seconds": time.time() - t0})
-            o, f = counts["open"], counts["facing"]
-            o_legal, f_legal = o.get("[check]", 0) + o.get("[bet]", 0), f.get("[call]", 0) + f.get("[fold]", 0)
-            print(row(template, t, f"{o_legal} of {sum(o.values())} / {o.get('[bet]', 0)}",
-                      f"{f_legal} of {sum(f.values())} / {f.get('[fold]', 0)}", f"{time.time() - t0:.0f}"))
+    for order, template, t in itertools.product(args.orders.split(","), args.templates.split(","),
+                                                (float(x) for x in args.temperatures.split(","))):
+        if order not in ("listed", "reversed"):
+            raise SystemExit(f"--orders: {order!r} is neither 'listed' nor 'reversed'")
+        t0 = time.time()
+        counts = sample(args.model, args.backend, template, t, cases, reverse=order == "reversed")
+        results.append({"order": order, "template": template, "temperature": t, "counts": counts,
+                        "seconds": time.time() - t0})
+        o, f = counts["open"], counts["facing"]
+        o_legal, f_legal = o.get("[check]", 0) + o.get("[bet]", 0), f.get("[call]", 0) + f.get("[fold]", 0)
+        print(row(order, template, t, f"{o_legal} of {sum(o.values())} / {o.get('[bet]', 0)}",
+                  f"{f_legal} of {sum(f.values())} / {f.get('[fold]', 0)}", f"{time.time() - t0:.0f}"))
     path = save(args.name, {"model": args.model, "env": args.env, "decisions": args.decisions,
                             "max_new_tokens": 24, "results": results})
     print(f"-> {path}")
