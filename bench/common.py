@@ -1,4 +1,5 @@
-"""Shared by the bench scripts: result files and the markdown row each prints."""
+"""Shared by the bench scripts: result files, the markdown row each prints, and the figures of a
+round played on a cluster whose engines are resident."""
 from __future__ import annotations
 
 import json
@@ -80,3 +81,65 @@ def forward_flops(model_path: str) -> tuple[float, float]:
     attn = h * c.num_attention_heads * head * 2 + h * kv * 2  # q, o; k, v
     mlp = 3 * h * c.intermediate_size  # gate, up, down
     return 2.0 * layers * (attn + mlp), 2.0 * c.vocab_size * h
+
+
+# ---------------------------------------------------------------- a round on resident engines
+
+def _start_engine(model_cfg) -> tuple[str, float]:
+    from unstable_dask.inference.engine import get_engine
+    t = time.perf_counter()
+    engine = get_engine(model_cfg)
+    return engine.name, time.perf_counter() - t
+
+
+def start_engines(client, model_cfg) -> tuple[str, float]:
+    """Start the resident engine on every worker of the cluster before a round (engine start timed
+    apart from it): the engine's name and the slowest worker's start in seconds."""
+    started = client.gather([client.submit(_start_engine, model_cfg, workers=[w], allow_other_workers=False, pure=False)
+                             for w in sorted(client.scheduler_info()["workers"])])
+    return started[0][0], max(x[1] for x in started)
+
+
+def empty_prefix_cache(model_cfg) -> None:
+    """On the worker: empty the resident vLLM engine's prefix cache, so that no phase starts with
+    the blocks an earlier one computed (each starts as the round did)."""
+    from unstable_dask.inference import aio
+    from unstable_dask.inference.engine import get_engine
+    assert aio.run(get_engine(model_cfg).vm.engine.reset_prefix_cache())
+
+
+def task_figures(tasks: list[dict], wall: float) -> dict:
+    """tok/s over `wall` (tasks run side by side on the workers), in-flight share, cache hit rate."""
+    tokens = sum(t["completion_tokens"] for t in tasks)
+    room = sum(t["concurrency"] * t["wall_s"] for t in tasks)
+    prompt = sum(t.get("prompt_tokens", 0) for t in tasks)
+    return {"completion_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "cached_tokens": sum(t.get("cached_tokens", 0) for t in tasks),
+            "in_flight_frac": sum(t["in_flight_s"] for t in tasks) / room if room else None,
+            "prefix_cache_hit_rate": sum(t.get("cached_tokens", 0) for t in tasks) / prompt if prompt else None}
+
+
+def model_tasks(tasks: list[dict]) -> list[dict]:
+    return [t for t in tasks if t["completion_tokens"]]  # the baseline's tasks (agents only) have no engine
+
+
+def round_figures(job, client) -> dict:
+    """A round, its figures over the tasks that used an engine, and the bound its games' lengths set."""
+    from unstable_dask.lake import Lake
+    from unstable_dask.play.round import play_round
+    s = play_round(job, client=client)
+    per_game = Lake(job.run.lake).sql("""SELECT g.task, count(t.prompt) AS model_turns FROM games g
+        JOIN turns t USING (run, round, game_id) WHERE g.round = ? GROUP BY g.task, g.game_id""",
+                                      params=[s.round]).to_pylist()
+    bound = {}
+    for task in {r["task"] for r in per_game}:
+        n = [r["model_turns"] for r in per_game if r["task"] == task]
+        if max(n):
+            conc = min(job.round.concurrency, len(n))  # all of a task's games start at once when they fit
+            bound[task] = sum(n) / (conc * max(n)) if len(n) <= conc else None
+    [sums] = Lake(job.run.lake).sql("""SELECT sum(prompt_tokens) AS fed, sum(completion_tokens) AS made FROM turns
+        WHERE round = ? AND prompt IS NOT NULL""", params=[s.round]).to_pylist()
+    fed, made = int(sums["fed"] or 0), int(sums["made"] or 0)  # DuckDB sums integers as HUGEINT (Decimal here)
+    return {"games": s.games, "turns": s.turns, **task_figures(model_tasks(s.tasks), s.wall_s),
+            "tok_s": s.tokens_per_s, "tasks": s.tasks, "in_flight_bound": bound,
+            "prompt_tokens_fed": fed, "completion_tokens_made": made}
