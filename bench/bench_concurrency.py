@@ -15,7 +15,7 @@ run). Each round goes into a lake of its own, with every worker's prefix cache e
 --repeats passes, so drift on the machine falls on each alike. Ratios are against the first
 concurrency named (the job's own), measured in the same run.
 
-    .venv-vllm/bin/python bench/bench_concurrency.py [--concurrency 28,14,7] [--repeats 2] [--dtype bfloat16]
+    .venv-vllm/bin/python bench/bench_concurrency.py [--concurrency 28,14,7 (default: the job's, half, quarter)] [--repeats 2] [--dtype bfloat16]
 
 Writes bench/results/concurrency[_<dtype>].json and prints the table for BENCHMARKS.md.
 """
@@ -39,12 +39,12 @@ JOB = "jobs/smollm2-learn.toml"
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--concurrency", default="28,14,7",
-                    help="games in flight per task, comma-separated; the first is the baseline (default: the job's 28 first)")
+    ap.add_argument("--concurrency", default=None,
+                    help="games in flight per task, comma-separated; the first is the baseline "
+                         "(default: the job's, its half and its quarter)")
     ap.add_argument("--repeats", type=int, default=2, help="passes over the concurrencies, alternating their order")
     ap.add_argument("--dtype", default=None, help="model.dtype (default: the job's)")
     args = ap.parse_args()
-    levels = [int(x) for x in args.concurrency.split(",")]
     from unstable_dask.cluster.client import open_client
     from unstable_dask.jobfile import load_job
 
@@ -55,6 +55,8 @@ def main() -> None:
         over = {"run.lake": f"{tmp}/{name}", "cluster.dashboard": False, "round.concurrency": concurrency}
         return load_job(JOB, over | ({"model.dtype": args.dtype} if args.dtype else {}))
 
+    own = load_job(JOB).round.concurrency
+    levels = [int(x) for x in args.concurrency.split(",")] if args.concurrency else [own, own // 2, own // 4]
     base = job("start", levels[0])
     runs: dict[int, list[dict]] = {c: [] for c in levels}
     with open_client(base.cluster) as client:

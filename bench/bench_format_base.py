@@ -30,9 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from common import row, save  # noqa: E402
 
-# UnstableBaselines' instruction sentence (prompts._ASK), asked of arithmetic in the control row.
-ASK = "Please reason step by step, and put your final answer within \\boxed{}."
-
 
 def upper95(k: int, n: int) -> float:
     """Upper end of the Wilson 95% interval of k successes in n."""
@@ -76,7 +73,7 @@ def main() -> None:
 
     from unstable_dask.config.model import ModelConfig
     from unstable_dask.inference.engine import get_engine
-    from unstable_dask.play.prompts import render_prompt
+    from unstable_dask.play.prompts import ASK, render_prompt  # ASK: UB's sentence, asked of sums in the control row
 
     obs = {e: observations(e, args.n) for e in args.envs.split(",")}
     sums = [f"What is {3 + i % 17} + {4 + (i * 7) % 23}?\n{ASK}" for i in range(args.n)]
@@ -96,10 +93,11 @@ def main() -> None:
         for env_id, template, prompts in cases:
             t1 = time.time()
             c = count([g.text for g in engine.generate(prompts, seed=0)])
-            results.append({"prompt": env_id, "template": template, "max_new_tokens": max_new, **c,
-                            "upper95": upper95(c["format_ok"], c["n"]), "seconds": time.time() - t1})
+            r = {"prompt": env_id, "template": template, "max_new_tokens": max_new, **c,
+                 "upper95": upper95(c["format_ok"], c["n"]), "seconds": time.time() - t1}
+            results.append(r)
             print(row(env_id, template, max_new, f"{c['format_ok']} of {c['n']}", c["mentions_boxed"],
-                      f"{upper95(c['format_ok'], c['n']):.3f}", f"{time.time() - t1:.0f}"), flush=True)
+                      f"{r['upper95']:.3f}", f"{r['seconds']:.0f}"), flush=True)
         print(f"({max_new} new tokens: {time.time() - t0:.0f} s, the engine's start included)", flush=True)
     engine.close()  # one resident copy of the weights served every length
     path = save(args.name, {"model": args.model, "temperature": args.temperature, "n": args.n,

@@ -21,21 +21,21 @@ from typing import Callable, Optional
 
 _ZS = "You are playing a two-player zero-sum game. Make valid actions to win."
 _SP = "You are playing a single-player game. Make valid actions to solve it completely."
-_ASK = "Please reason step by step, and put your final answer within \\boxed{}."
+ASK = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 def _plain(obs: str) -> str:
-    return f"{_ZS}\nObservation: {obs}\n{_ASK}"
+    return f"{_ZS}\nObservation: {obs}\n{ASK}"
 
 
 def _qwen3(system: str, obs: str, think: bool = False) -> str:
-    return (f"<|im_start|>user\n{system}\nObservation: {obs}\n{_ASK}<|im_end|>\n"
+    return (f"<|im_start|>user\n{system}\nObservation: {obs}\n{ASK}<|im_end|>\n"
             f"<|im_start|>assistant\n" + ("<think>" if think else ""))
 
 
 def _llama(obs: str, user_end: str, assistant_end: str) -> str:
     return (f"<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{_ZS}<|eot_id|>"
-            f"<|start_header_id|>user<|end_header_id|>\n\nCurrent Observation: {obs}\n{_ASK}<|eot_id|>{user_end}"
+            f"<|start_header_id|>user<|end_header_id|>\n\nCurrent Observation: {obs}\n{ASK}<|eot_id|>{user_end}"
             f"<|start_header_id|>assistant<|end_header_id|>{assistant_end}")
 
 
@@ -46,9 +46,9 @@ TEMPLATE_FNS: dict[str, Callable[[str], str]] = {
         f"your next move, and then submit the move enclosed by \\boxed{{}}.\nObservation: {obs}\n"),
     "qwen3-zs": lambda obs: _qwen3(_ZS, obs),
     "qwen3-sp": lambda obs: _qwen3(_SP, obs),
-    "qwen3-reasoning": lambda obs: (f"<|im_start|>user\n{_ASK}\nQuestion: {obs}<|im_end|>\n"
+    "qwen3-reasoning": lambda obs: (f"<|im_start|>user\n{ASK}\nQuestion: {obs}<|im_end|>\n"
                                     f"<|im_start|>assistant\n<think>"),
-    "gemma3-zs": lambda obs: (f"<bos><start_of_turn>user\n{_ZS}\nObservation: {obs}\n{_ASK}<end_of_turn>\n"
+    "gemma3-zs": lambda obs: (f"<bos><start_of_turn>user\n{_ZS}\nObservation: {obs}\n{ASK}<end_of_turn>\n"
                               f"<start_of_turn>model\n"),
     "llama-instruct-zs": lambda obs: _llama(obs, "\n", ""),
     # Ours.
