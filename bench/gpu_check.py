@@ -8,8 +8,10 @@ engine resident), a scaled-down version of a GPU job (default jobs/qwen3-selfpla
               (vLLM: `LLM.generate`; hf: transformers `generate`), same sampling settings: all
               at once, and in dependency waves (the k-th model turn of every game together,
               wave after wave: the most a round of these games can reach)
-  2. loop     `loop --rounds 2` on one GPU: the learner runs as a task on the engine's worker and
-              the engine sleeps during the update (vLLM level-1 sleep; hf: weights moved to host)
+  2. loop     `loop --rounds 3` on one GPU: the learner runs as a task on the engine's worker and
+              the engine sleeps during the update (vLLM level-1 sleep; hf: weights moved to host);
+              round 1 plays the first adapter (on CUDA vLLM JIT-compiles its Triton LoRA kernels
+              then), round 2 the second: the hot-swap's own cost
   3. learner  the learner_steps of that loop: CUDA memory allocated/reserved/peak, tokens/s,
               engine sleep/wake seconds and the device memory free while the engine slept
   4. quant    (--stages quant) the learner's peak memory by learn.quantization: one round's lake,
@@ -150,6 +152,8 @@ def main() -> None:
     ap.add_argument("--games", type=int, default=32, help="train games per round (eval games: a quarter)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=64, help="learner batch (turns)")
+    ap.add_argument("--loop-rounds", type=int, default=3, help="rounds of the loop stage (3: the second "
+                    "adapter's round shows the hot-swap without the first adapter's kernel compilation)")
     ap.add_argument("--out", default="gpu_check", help="bench/results/<out>.json")
     ap.add_argument("--stages", default="round,loop", help="comma list of round, loop, quant (the learner "
                     "figures come from the loop); a short device lease can re-measure one stage")
@@ -198,7 +202,8 @@ def main() -> None:
             result["round"] = _round_stage(job, load_job(args.job, over | {"run.lake": f"{tmp}/warm"}), result)
             save(args.out, result)  # a lease that ends during the loop still leaves the round's figures
         if "loop" in stages:
-            result.update(_loop_stage(load_job(args.job, over | {"run.lake": f"{tmp}/loop", "run.name": "gpu-loop"})))
+            result.update(_loop_stage(load_job(args.job, over | {"run.lake": f"{tmp}/loop", "run.name": "gpu-loop"}),
+                                      args.loop_rounds))
             save(args.out, result)
         if "quant" in stages:
             result["quantization"] = _quant_stage(args.job, over | {"run.lake": f"{tmp}/quant", "run.name": "gpu-quant"})
@@ -261,14 +266,14 @@ def model_turn_waves(lake) -> list[list[str]]:
     return [waves[k] for k in sorted(waves)]
 
 
-def _loop_stage(ljob) -> dict:
+def _loop_stage(ljob, rounds: int) -> dict:
     """2.+3. the single-GPU loop: learn on the engine's worker with the engine asleep (its own
     cluster, so the loop opens and closes it as a user's `loop` would), and its learner_steps."""
     from unstable_dask.lake import Lake
     from unstable_dask.loop import loop
     t = time.perf_counter()
-    loop(ljob, rounds=2, rate=False)
-    out = {"loop_2_rounds_wall_s": time.perf_counter() - t}
+    loop(ljob, rounds=rounds, rate=False)
+    out = {f"loop_{rounds}_rounds_wall_s": time.perf_counter() - t}
     out["learner_steps"] = Lake(ljob.run.lake).sql("SELECT * EXCLUDE (rounds, created_at) FROM learner_steps "
                                     "ORDER BY iteration, update").to_pylist()
     out["loop_rounds"] = Lake(ljob.run.lake).sql("SELECT round, completion_tokens, "
