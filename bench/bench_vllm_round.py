@@ -11,7 +11,7 @@ round started:
   offline     the very prompts that round sent, all at once to the engine that played them, as
               `vllm.LLM.generate` does (same sampling, log-probs and per-request seeds)
   waves       the same prompts in dependency waves: the k-th model turn of every game at once,
-              wave after wave (the fastest a round of these games can go on these engines)
+              wave after wave (the best a wave-synchronous schedule of these games can do)
   lock-step   the round's tasks again, lock-step (one batched call per step)
   4x games    a round of 4x the games (96 train + 128 eval, a task of 112 per worker, the same
               concurrency), and its prompts offline: a round long enough that slots refill

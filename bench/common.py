@@ -148,8 +148,9 @@ def round_figures(job, client) -> dict:
 def turn_waves(rows: list[dict]) -> list[list[dict]]:
     """A round's model turns by dependency: wave k holds the k-th model turn of every game that has
     one (rows with game_id and turn). A round cannot send a game's turn k+1 before turn k is played,
-    so generating the waves one after another, each all at once, is the fastest a round of these
-    games can go on the same engine; sending every prompt at once is not reachable by any round."""
+    so sending every prompt at once is not reachable by any round; the waves one after another, each
+    all at once, are the best a wave-synchronous (lock-step) schedule of these games can do. Per-game
+    play can beat them: a short game's later turns overlap a long game's earlier ones."""
     by_game: dict = {}
     for r in sorted(rows, key=lambda r: (r["game_id"], r["turn"])):
         by_game.setdefault(r["game_id"], []).append(r)

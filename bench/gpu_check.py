@@ -7,7 +7,7 @@ engine resident), a scaled-down version of a GPU job (default jobs/qwen3-selfpla
               prompts the round sent, called on the same resident weights inside the worker
               (vLLM: `LLM.generate`; hf: transformers `generate`), same sampling settings: all
               at once, and in dependency waves (the k-th model turn of every game together,
-              wave after wave: the most a round of these games can reach)
+              wave after wave: the best a wave-synchronous schedule of these games can do)
   2. loop     `loop --rounds 3` on one GPU: the learner runs as a task on the engine's worker and
               the engine sleeps during the update (vLLM level-1 sleep; hf: weights moved to host);
               round 1 plays the first adapter (on CUDA vLLM JIT-compiles its Triton LoRA kernels
