@@ -100,15 +100,16 @@ def _offline_of(job, client, where: dict, by_wave: bool = False) -> dict:
     rows = Lake(job.run.lake).sql("""SELECT t.game_id, t.seed, t.turn, t.prompt, g.worker FROM turns t
         JOIN games g USING (run, round, game_id) WHERE t.prompt IS NOT NULL ORDER BY t.game_id, t.turn""").to_pylist()
 
-    def waves(w: str) -> list[list[dict]]:
+    waves = {}  # worker -> its rows, in waves or as one
+    for w in sorted({r["worker"] for r in rows}):
         mine = [r for r in rows if r["worker"] == w]
-        return turn_waves(mine) if by_wave else [mine]
+        waves[w] = turn_waves(mine) if by_wave else [mine]
     t = time.perf_counter()
     parts = client.gather([client.submit(
-        _offline, job.model, [[r["prompt"] for r in wave] for wave in waves(w)],
+        _offline, job.model, [[r["prompt"] for r in wave] for wave in ws],
         # the seeds per-game play gave these requests (play/task.py)
-        [[zlib.crc32(f"{r['game_id']}/{r['seed']}/{r['turn']}".encode()) for r in wave] for wave in waves(w)],
-        workers=[where[w]], allow_other_workers=False, pure=False) for w in sorted({r["worker"] for r in rows})])
+        [[zlib.crc32(f"{r['game_id']}/{r['seed']}/{r['turn']}".encode()) for r in wave] for wave in ws],
+        workers=[where[w]], allow_other_workers=False, pure=False) for w, ws in waves.items()])
     wall = time.perf_counter() - t
     tokens = sum(p["completion_tokens"] for p in parts)
     return {"completion_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "parts": parts}
