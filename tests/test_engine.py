@@ -265,7 +265,8 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     assert calls["threads"] is None and os.environ["OMP_NUM_THREADS"] == "2"
     assert type(eng).__name__ == "VLLMEngine" and get_engine(cfg) is eng and eng.name == "vllm ? (cpu)"
     init = calls["init"]
-    assert init["enable_lora"] and init["max_lora_rank"] == 32 and init["max_loras"] == 2
+    # a CPU: a lone adapter is merged into the weights, so no LoRA layers until a request needs them
+    assert not init["enable_lora"] and init["max_lora_rank"] == 32 and init["max_loras"] == 2
     assert init["max_num_seqs"] == 7 and init["dtype"] == "float32" and init["max_model_len"] == 256
     assert init["logprobs_mode"] == "processed_logprobs"  # log-probs of the distribution sampled from
     # CPU: whole-prompt prefill (seeded requests survive), KV cache sized for 256 sequences of 256 tokens
@@ -294,6 +295,9 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
         ids.append(calls["requests"][-1][2].lora_int_id)
         assert g.adapter_path == ad.path  # the weights vLLM was asked to serve, reported back
     assert ids[0] == ids[2] and len({ids[0], ids[1], ids[3]}) == 3  # stable per (name, path)
+    # the first request through LoRA stopped the engine and started it again with the layers, once
+    assert calls.pop("shutdown") and calls["init"]["enable_lora"] and eng.vm.restarts == 1
+    assert {k: v for k, v in calls["init"].items() if k != "enable_lora"} == {k: v for k, v in init.items() if k != "enable_lora"}
 
     assert not init["enable_sleep_mode"]  # CPU: vLLM has no sleep mode there
     eng.sleep()
@@ -304,6 +308,7 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     gpu = get_engine(cfg.model_copy(update={"max_new_tokens": 5, "vllm": VllmConfig(max_loras=2)}))
     assert calls["init"]["enable_sleep_mode"] and calls["init"]["dtype"] == "bfloat16"
+    assert calls["init"]["enable_lora"]  # adapters are not merged on a GPU: the layers from the start
     assert not {"enable_chunked_prefill", "kv_cache_memory_bytes", "block_size"} & set(calls["init"])
     gpu.sleep()
     gpu.sleep()  # already asleep: not a second call
