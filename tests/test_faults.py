@@ -364,3 +364,33 @@ def test_an_engines_processes_die_with_the_process_that_started_them():
                 psutil.Process(pid).kill()
             except psutil.Error:
                 pass
+
+
+_EXITS = """
+import subprocess, sys, time
+from unstable_dask.inference.reaper import POLL_S, watch_this_process
+watch_this_process()
+# like vLLM's engine core: inherits this process's stderr, and outlives it unless stopped
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL)
+print(child.pid, flush=True)
+time.sleep(3 * POLL_S)  # a few of the reaper's polls: it has listed the child
+"""
+
+
+def test_a_caller_capturing_the_output_gets_it_when_the_process_ends():
+    """`subprocess.run(..., capture_output=True)` of a process that started an engine returns once
+    that process ends: its reaper holds none of the pipes, and stops the engine's processes (which
+    hold them) although the caller has not yet collected the ended process."""
+    import psutil
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", _EXITS], env=env, capture_output=True, text=True, timeout=120)
+    [pid] = [int(x) for x in out.stdout.split()]
+    try:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert time.perf_counter() - t < 60, "the caller waited for the child's 600 s"
+    finally:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass

@@ -54,7 +54,13 @@ def reap_when_gone(pid: int, poll_s: float = POLL_S, grace_s: float = GRACE_S) -
         except psutil.NoSuchProcess:
             break
         try:
+            # A zombie has ended: its parent has just not collected it yet (and may be waiting
+            # for this reaper to close the parent's pipes first).
+            if watched.status() == psutil.STATUS_ZOMBIE:
+                break
             watched.wait(timeout=poll_s)
+            break
+        except psutil.NoSuchProcess:
             break
         except psutil.TimeoutExpired:
             seen = {k: p for k, p in seen.items() if p.is_running()}  # pids may be reused later
@@ -81,7 +87,9 @@ def watch_this_process() -> None:
             return
         _started[pid] = subprocess.Popen(
             [sys.executable, "-m", "unstable_dask.inference.reaper", str(pid)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+            # None of the caller's streams: a caller capturing this process's output would
+            # otherwise wait for the reaper to close them, i.e. for the process itself to end.
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 if __name__ == "__main__":
