@@ -220,6 +220,7 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
         def __init__(self, args):
             calls["init"] = vars(args)
             calls["threads"] = os.environ.get("OMP_NUM_THREADS")
+            calls["aot"] = os.environ.get("VLLM_USE_AOT_COMPILE")
             calls["loop"] = asyncio.get_running_loop()  # built on the process's loop
 
         @classmethod
@@ -260,9 +261,13 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     cfg = GREEDY.model_copy(update={"backend": "vllm", "lora": LoraCfg(rank=20),
                                     "vllm": VllmConfig(max_loras=2, extra={"max_num_seqs": 7})})
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # as a Dask worker has it for the hf engine
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
     eng = get_engine(cfg)
     # vLLM's processes start without it (they size their own thread pools); the worker keeps it.
     assert calls["threads"] is None and os.environ["OMP_NUM_THREADS"] == "2"
+    # a CPU: compiled through vLLM's compile cache, not the AOT artifacts it fails to load back;
+    # only vLLM's processes see the setting
+    assert calls["aot"] == "0" and "VLLM_USE_AOT_COMPILE" not in os.environ
     assert type(eng).__name__ == "VLLMEngine" and get_engine(cfg) is eng and eng.name == "vllm ? (cpu)"
     init = calls["init"]
     # a CPU: a lone adapter is merged into the weights, so no LoRA layers until a request needs them
@@ -297,6 +302,7 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     assert ids[0] == ids[2] and len({ids[0], ids[1], ids[3]}) == 3  # stable per (name, path)
     # the first request through LoRA stopped the engine and started it again with the layers, once
     assert calls.pop("shutdown") and calls["init"]["enable_lora"] and eng.vm.restarts == 1
+    assert calls["threads"] is None and calls["aot"] == "0"  # the restart starts it the same way
     assert {k: v for k, v in calls["init"].items() if k != "enable_lora"} == {k: v for k, v in init.items() if k != "enable_lora"}
 
     assert not init["enable_sleep_mode"]  # CPU: vLLM has no sleep mode there
