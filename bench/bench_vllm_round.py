@@ -68,10 +68,17 @@ from common import (  # noqa: E402
 JOB = "jobs/smollm2-learn.toml"
 
 
+def _params(engine, model_cfg, seed: int):
+    """The sampling parameters of the engine's own requests (VLLMEngine._sample), for one seed."""
+    from vllm.sampling_params import RequestOutputKind
+    return engine.vm.SamplingParams(temperature=model_cfg.temperature, top_p=model_cfg.top_p,
+                                    max_tokens=model_cfg.max_new_tokens, logprobs=1, seed=seed, detokenize=False,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+
+
 def _offline(model_cfg, waves: list[list[str]], seeds: list[list[int]]) -> dict:
     """On the worker: each wave's prompts at once through the resident engine's own async engine,
     wave after wave, with the sampling parameters the engine's requests have (VLLMEngine._request)."""
-    from vllm.sampling_params import RequestOutputKind
 
     from unstable_dask.inference.engine import encode_prompts, get_engine, prompt_budget
 
@@ -80,9 +87,7 @@ def _offline(model_cfg, waves: list[list[str]], seeds: list[list[int]]) -> dict:
     tokens, t = 0, time.perf_counter()
     for prompts, wave_seeds in zip(waves, seeds):
         ids = encode_prompts(engine.tokenizer, prompts, prompt_budget(model_cfg))
-        params = [engine.vm.SamplingParams(temperature=model_cfg.temperature, top_p=model_cfg.top_p,
-                                           max_tokens=model_cfg.max_new_tokens, logprobs=1, seed=s, detokenize=False,
-                                           output_kind=RequestOutputKind.FINAL_ONLY) for s in wave_seeds]
+        params = [_params(engine, model_cfg, s) for s in wave_seeds]
         tokens += sum(len(o.outputs[0].token_ids) for o in vllm_batch(engine, ids, params))
     wall = time.perf_counter() - t
     return {"prompts": sum(map(len, waves)), "waves": len(waves), "completion_tokens": tokens, "wall_s": wall,
@@ -95,8 +100,6 @@ def _chains(model_cfg, games: list[list[str]], seeds: list[list[int]]) -> dict:
     in `_offline`."""
     import asyncio
 
-    from vllm.sampling_params import RequestOutputKind
-
     from unstable_dask.inference import aio
     from unstable_dask.inference.engine import encode_prompts, get_engine, prompt_budget
 
@@ -107,11 +110,9 @@ def _chains(model_cfg, games: list[list[str]], seeds: list[list[int]]) -> dict:
     async def game(i: int) -> int:
         made = 0
         for k, (x, seed) in enumerate(zip(ids[i], seeds[i])):
-            params = engine.vm.SamplingParams(temperature=model_cfg.temperature, top_p=model_cfg.top_p,
-                                              max_tokens=model_cfg.max_new_tokens, logprobs=1, seed=seed,
-                                              detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
             last = None
-            async for out in engine.vm.engine.generate({"prompt_token_ids": x}, params, request_id=f"chain-{i}-{k}"):
+            async for out in engine.vm.engine.generate({"prompt_token_ids": x}, _params(engine, model_cfg, seed),
+                                                       request_id=f"chain-{i}-{k}"):
                 last = out
             assert last is not None
             made += len(last.outputs[0].token_ids)

