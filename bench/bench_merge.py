@@ -93,7 +93,7 @@ def main() -> None:
             t0 = time.perf_counter()
             engine.prepare(told)
             switch_s.append(time.perf_counter() - t0)
-            aio.run(engine.vm.engine.reset_prefix_cache())
+            aio.run(engine.started().reset_prefix_cache())
         t0 = time.perf_counter()
         gens = engine.generate(prompts[:n], adapter=a, seed=rep)
         return sum(g.completion_tokens for g in gens) / (time.perf_counter() - t0)

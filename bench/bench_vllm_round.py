@@ -106,13 +106,14 @@ def _chains(model_cfg, games: list[list[str]], seeds: list[list[int]]) -> dict:
     empty_prefix_cache(model_cfg)
     engine = get_engine(model_cfg)
     ids = [encode_prompts(engine.tokenizer, prompts, prompt_budget(model_cfg)) for prompts in games]
+    llm = engine.started()
 
     async def game(i: int) -> int:
         made = 0
         for k, (x, seed) in enumerate(zip(ids[i], seeds[i])):
             last = None
-            async for out in engine.vm.engine.generate({"prompt_token_ids": x}, _params(engine, model_cfg, seed),
-                                                       request_id=f"chain-{i}-{k}"):
+            async for out in llm.generate({"prompt_token_ids": x}, _params(engine, model_cfg, seed),
+                                          request_id=f"chain-{i}-{k}"):
                 last = out
             assert last is not None
             made += len(last.outputs[0].token_ids)

@@ -7,7 +7,7 @@ call, one warm-up call then `--repeats` timed calls (median tok/s), in each of:
   plain         a plain process (no thread variables in its environment)
   worker        a worker of `open_client` (1 local worker): the project's worker environment
   worker-omp    the same worker, the engine started with the worker's OMP/MKL/OPENBLAS_NUM_THREADS
-                left in its environment (as before the fix: vllm_engine._own_threads off)
+                left in its environment (as before the fix: vllm_cpu.own_threads off)
   2 workers     2 local workers generating at once (their calls start together): the sum of their
                 tok/s, each bound to its own cores (cluster CpuShare), and with vLLM's `auto`
                 binding for both (VLLM_CPU_OMP_THREADS_BIND=auto exported)
@@ -59,12 +59,13 @@ def measure(n_prompts: int, repeats: int, legacy_env: bool = False, barrier: boo
     """Start the engine here, warm it up, then time `repeats` batched generate calls."""
     import contextlib
 
-    from unstable_dask.inference import vllm_engine
+    from unstable_dask.inference import vllm_cpu
     from unstable_dask.inference.engine import get_engine
     if legacy_env:  # the engine starts with the worker's thread variables, as before the fix
-        vllm_engine._own_threads = contextlib.nullcontext
+        vllm_cpu.own_threads = contextlib.nullcontext
     t = time.perf_counter()
     engine = get_engine(model_config())
+    engine.prepare({None})  # the engine starts with its first task, a base-model one here
     start_s = time.perf_counter() - t
     ps = prompts(engine, n_prompts)
     engine.generate(ps, seed=0)

@@ -38,10 +38,12 @@ def vllm_batch(engine, prompt_ids: list[list[int]], params) -> list:
 
     from unstable_dask.inference import aio
 
+    llm = engine.started()
+
     async def one(i: int, ids: list[int]):
         last = None
         p = params[i] if isinstance(params, list) else params
-        async for out in engine.vm.engine.generate({"prompt_token_ids": ids}, p, request_id=f"raw-{i}-{id(ids)}"):
+        async for out in llm.generate({"prompt_token_ids": ids}, p, request_id=f"raw-{i}-{id(ids)}"):
             last = out
         return last
 
@@ -89,6 +91,8 @@ def _start_engine(model_cfg) -> tuple[str, float]:
     from unstable_dask.inference.engine import get_engine
     t = time.perf_counter()
     engine = get_engine(model_cfg)
+    if hasattr(engine, "prepare"):  # a vLLM engine starts when its first task says what it uses
+        engine.prepare({None})
     return engine.name, time.perf_counter() - t
 
 
@@ -105,7 +109,7 @@ def empty_prefix_cache(model_cfg) -> None:
     the blocks an earlier one computed (each starts as the round did)."""
     from unstable_dask.inference import aio
     from unstable_dask.inference.engine import get_engine
-    assert aio.run(get_engine(model_cfg).vm.engine.reset_prefix_cache())
+    assert aio.run(get_engine(model_cfg).started().reset_prefix_cache())
 
 
 def task_figures(tasks: list[dict], wall: float) -> dict:

@@ -263,6 +263,9 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # as a Dask worker has it for the hf engine
     monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
     eng = get_engine(cfg)
+    # The engine starts with the first task (its `prepare`, which knows the adapters it needs) or request.
+    assert "init" not in calls and not eng.vm.lora_layers
+    eng.prepare({None})
     # vLLM's processes start without it (they size their own thread pools); the worker keeps it.
     assert calls["threads"] is None and os.environ["OMP_NUM_THREADS"] == "2"
     # a CPU: compiled through vLLM's compile cache, not the AOT artifacts it fails to load back;
@@ -305,6 +308,16 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     assert calls["threads"] is None and calls["aot"] == "0"  # the restart starts it the same way
     assert {k: v for k, v in calls["init"].items() if k != "enable_lora"} == {k: v for k, v in init.items() if k != "enable_lora"}
 
+    # An engine whose first task mixes adapters (a league) starts with the layers: no restart.
+    before = calls["init"]
+    league = get_engine(cfg.model_copy(update={"vllm": VllmConfig(max_loras=3)}))  # an engine of its own
+    assert calls["init"] is before
+    league.prepare({a, None})
+    assert calls["init"]["enable_lora"] and league.vm.restarts == 0 and "shutdown" not in calls
+    assert league.vm.weights.merged is None and league.vm.lora_layers
+    league.close()
+    assert calls.pop("shutdown")
+
     assert not init["enable_sleep_mode"]  # CPU: vLLM has no sleep mode there
     eng.sleep()
     eng.wake_up()
@@ -313,6 +326,9 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     # On a GPU the learner sleeps the resident engine (weights to host RAM) and wakes it after.
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     gpu = get_engine(cfg.model_copy(update={"max_new_tokens": 5, "vllm": VllmConfig(max_loras=2)}))
+    gpu.sleep()  # not started yet: nothing to put to sleep
+    assert "sleep" not in calls
+    gpu.prepare({None})
     assert calls["init"]["enable_sleep_mode"] and calls["init"]["dtype"] == "bfloat16"
     assert calls["init"]["enable_lora"]  # adapters are not merged on a GPU: the layers from the start
     assert not {"enable_chunked_prefill", "kv_cache_memory_bytes", "block_size"} & set(calls["init"])
@@ -352,7 +368,7 @@ def test_cpu_kv_cache_is_sized_from_the_worker_memory(cache):
     from pathlib import Path
 
     from unstable_dask.errors import JobError
-    from unstable_dask.inference.vllm_engine import cpu_kv_cache_bytes
+    from unstable_dask.inference.vllm_cpu import cpu_kv_cache_bytes
     from unstable_dask.inference.weights import resolve_model
     path = resolve_model("builtin:tiny")
     weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))

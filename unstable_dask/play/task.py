@@ -327,7 +327,8 @@ def play_task(task: TaskSpec, model_cfg: ModelConfig, round_cfg: RoundConfig, la
     engines: dict[Optional[str], Any] = {}  # seat base model (None: [model].base) -> the worker's resident engine
     if bases:
         from unstable_dask.inference.engine import get_engine  # here: a task of agents needs no model
-        # Built before play: a vLLM engine starts on the event loop the games then run on.
+        # Built (and prepared, below) before play: a vLLM engine starts on the event loop the games
+        # then run on.
         engines = {b: get_engine(model_cfg if b is None else model_cfg.model_copy(update={"base": b})) for b in bases}
     if way is None:
         way = "per-game" if engines and all(hasattr(e, "agenerate") for e in engines.values()) else "lock-step"
