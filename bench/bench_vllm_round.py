@@ -150,7 +150,7 @@ def peak_share(r: dict, flops: tuple[float, float], peak: float) -> float:
     return (computed * body + r["completion_tokens_made"] * head) / r["wall_s"] / peak
 
 
-def _offline_of(job, client, where: dict, how: str = "at once") -> dict:
+def offline_of(job, client, where: dict, how: str = "at once") -> dict:
     """The round's prompts again, each worker's on its own engine, all workers at once: every prompt
     at once, in dependency waves (common.turn_waves), or as chains (game by game, `_chains`)."""
     from unstable_dask.lake import Lake
@@ -188,11 +188,11 @@ def _round(job, phases: set[str], big=None, warm=None) -> dict:
         where = {f"{host}:{pid}": addr for addr, (host, pid)
                  in client.run(lambda: (os.uname().nodename, os.getpid())).items()}
         if "offline" in phases:
-            out["offline"] = _offline_of(job, client, where)
+            out["offline"] = offline_of(job, client, where)
         if "waves" in phases:
-            out["waves"] = _offline_of(job, client, where, "waves")
+            out["waves"] = offline_of(job, client, where, "waves")
         if "chains" in phases:
-            out["chains"] = _offline_of(job, client, where, "chains")
+            out["chains"] = offline_of(job, client, where, "chains")
         if "lock-step" in phases:
             played = model_tasks(out["round"]["tasks"])
             t = time.perf_counter()
@@ -202,7 +202,7 @@ def _round(job, phases: set[str], big=None, warm=None) -> dict:
             out["lock_step"] = task_figures(tasks, time.perf_counter() - t)
         if big is not None:
             client.run(empty_prefix_cache, job.model)
-            out["big"] = {"round": round_figures(big, client), "offline": _offline_of(big, client, where)}
+            out["big"] = {"round": round_figures(big, client), "offline": offline_of(big, client, where)}
     return out
 
 
