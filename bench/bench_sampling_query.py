@@ -24,7 +24,8 @@ import pyarrow as pa
 from unstable_dask.lake import Lake
 from unstable_dask.learn.algorithms.reinforce import Config as LearnConfig
 from unstable_dask.learn.ema import find_state
-from unstable_dask.learn.rewards import batch_query, parse_transforms, run_batch_query, state_rows
+from unstable_dask.learn.rewards import batch_query, run_batch_query, state_rows
+from unstable_dask.learn.transforms import parse_transforms
 
 from common import row, save
 

@@ -17,8 +17,9 @@ from unstable_dask.learn.algorithms.a2c import gae, turn_rewards
 from unstable_dask.learn.algorithms.grpo import Config as GRPOConfig
 from unstable_dask.learn.algorithms.grpo import update
 from unstable_dask.learn.passes import Mismatch
-from unstable_dask.learn.rewards import NormalizeRewards, NormalizeRewardsByEnv, transform_values
+from unstable_dask.learn.rewards import transform_values
 from unstable_dask.learn.tokens import behaviour_logprobs
+from unstable_dask.learn.transforms import NormalizeRewards, NormalizeRewardsByEnv
 
 import test_reinforce
 from test_reinforce import ADV, CPU, PROMPTS, TOL, Bigram, as_batch, batch, hand, models

@@ -12,15 +12,8 @@ from test_rewards import RUN, make_lake
 from unstable_dask.errors import JobError
 from unstable_dask.lake import Lake
 from unstable_dask.learn.ema import RoleAdvantageByEnvFormatter, RoleAdvantageFormatter, find_state, signature
-from unstable_dask.learn.rewards import (
-    NoForfeitWins,
-    PenaltyForInvalidMove,
-    RewardForFormat,
-    batch_query,
-    parse_transform,
-    run_batch_query,
-    state_rows,
-)
+from unstable_dask.learn.rewards import batch_query, run_batch_query, state_rows
+from unstable_dask.learn.transforms import NoForfeitWins, PenaltyForInvalidMove, RewardForFormat, parse_transform
 
 # A user's per-game SQL before the EMA: it changes the rewards the EMA averages.
 SHIFT = "SELECT * REPLACE (reward * 2 + 0.25 AS reward) FROM final"
@@ -173,7 +166,8 @@ def test_the_learner_commits_the_state_and_its_next_batch_equals_the_full_scan(t
     scan's, and the state it commits after round 1 equals the one a full scan gives."""
     from unstable_dask.jobfile import load_job
     from unstable_dask.learn.learner import batch_seed, build_query, learn, plan
-    from unstable_dask.learn.rewards import parse_transforms, state_query
+    from unstable_dask.learn.rewards import state_query
+    from unstable_dask.learn.transforms import parse_transforms
     from unstable_dask.play.round import play_round
     job = load_job("jobs/demo.toml", {
         "run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"), "round.train_games": 8,

@@ -12,19 +12,16 @@ import pytest
 
 from unstable_dask.errors import JobError
 from unstable_dask.lake import Lake
-from unstable_dask.learn.rewards import (
+from unstable_dask.learn.ema import RoleAdvantageByEnvFormatter, RoleAdvantageFormatter
+from unstable_dask.learn.rewards import batch_query, run_batch_query, window_rounds
+from unstable_dask.learn.transforms import (
     GroupRelativeAdvantage,
     NormalizeRewards,
     NormalizeRewardsByEnv,
     PenaltyForInvalidMove,
     RewardForFormat,
-    RoleAdvantageByEnvFormatter,
-    RoleAdvantageFormatter,
-    batch_query,
     parse_transform,
     parse_transforms,
-    run_batch_query,
-    window_rounds,
 )
 
 RUN = "t"

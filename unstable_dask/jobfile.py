@@ -160,7 +160,8 @@ def check_learn_sql(job: Job) -> None:
     # Imported here: these modules import this one.
     from unstable_dask.lake.read import connect_empty
     from unstable_dask.learn.learner import Plan, build_query
-    from unstable_dask.learn.rewards import STAGES, batch_query, parse_transform, run_batch_query
+    from unstable_dask.learn.rewards import batch_query, run_batch_query
+    from unstable_dask.learn.transforms import STAGES, parse_transform
 
     cfg, run_name = job.learn, job.run.name
     texts = {"final": cfg.final_transforms, "step": cfg.step_transforms, "sampling": cfg.sampling_transforms}

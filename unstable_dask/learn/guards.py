@@ -13,7 +13,8 @@ from unstable_dask.config import Job
 from unstable_dask.errors import JobError
 from unstable_dask.learn import algorithms
 from unstable_dask.learn.ema import find_state
-from unstable_dask.learn.rewards import batch_query, parse_transforms, run_batch_query
+from unstable_dask.learn.rewards import batch_query, run_batch_query
+from unstable_dask.learn.transforms import parse_transforms
 
 if TYPE_CHECKING:
     from unstable_dask.learn.learner import Plan

@@ -46,7 +46,8 @@ from unstable_dask.learn.guards import (
     check_quantization,
     served_weights,
 )
-from unstable_dask.learn.rewards import batch_query, parse_transforms, run_batch_query, state_rows, window_rounds
+from unstable_dask.learn.rewards import batch_query, run_batch_query, state_rows, window_rounds
+from unstable_dask.learn.transforms import parse_transforms
 
 
 @dataclass

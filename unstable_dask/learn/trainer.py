@@ -22,8 +22,9 @@ from unstable_dask.config import Job
 from unstable_dask.errors import JobError
 from unstable_dask.learn import algorithms
 from unstable_dask.learn.passes import Mismatch
-from unstable_dask.learn.rewards import parse_transforms, transform_values
+from unstable_dask.learn.rewards import transform_values
 from unstable_dask.learn.tokens import behaviour_logprobs, prompt_ids, tokenize
+from unstable_dask.learn.transforms import parse_transforms
 
 
 def model_dtype(job: Job, device: torch.device) -> torch.dtype:

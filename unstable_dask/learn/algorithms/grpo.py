@@ -5,7 +5,7 @@ and opponents) and gives the G games one `group_id`. A group here is (group_id, 
 of the same start state, G exchangeable attempts by one agent (pooling both seats of a zero-sum
 game would cancel the outcome). The batch query samples whole groups, and the default sampling
 transform GroupRelativeAdvantage(scale="group") gives A = (r - mean of the group) / (its
-unbiased std + 1e-8), every attempt weighing the same however many turns it took (rewards.py has
+unbiased std + 1e-8), every attempt weighing the same however many turns it took (transforms.py has
 the exact formula; scale="batch" divides by the batch's std instead, scale="none" is Dr. GRPO).
 A group whose attempts all scored alike has A = 0 on every row: without a KL penalty it carries no
 signal, so the trainer drops it before optimizer steps are cut (learner_steps.zero_std_group_frac,
