@@ -62,8 +62,6 @@ def _auto_dtype(dtype: str) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-
-
 def zero_adapter(like: Path) -> Adapter:
     """The base model as an adapter: merge.write_zero_lora of adapter `like`, built once into the model
     cache (vLLM may read it again whenever it evicts it; the engines of a machine share it)."""
