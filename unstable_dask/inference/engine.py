@@ -74,6 +74,14 @@ class Engine(Protocol):
 
 # ---------------------------------------------------------------- helpers shared by backends
 
+def auto_dtype(dtype: str) -> str:
+    """`model.dtype` with "auto" resolved where the engine runs: bf16 on a CUDA GPU, else fp32."""
+    if dtype != "auto":
+        return dtype
+    import torch
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
 def prompt_budget(cfg: ModelConfig) -> int:
     """Most prompt tokens that still leave room for max_new_tokens inside max_model_len."""
     return max(1, cfg.max_model_len - cfg.max_new_tokens)

@@ -72,8 +72,7 @@ class HFModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if dtype == "auto":
-            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        dtype = engines.auto_dtype(dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:

@@ -86,7 +86,7 @@ def cpu_kv_cache_bytes(cfg: ModelConfig, path: str, memory: int) -> int:
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    dtype_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4  # "auto" is fp32 on a CPU
+    dtype_bytes = 4 if engines.auto_dtype(cfg.dtype) == "float32" else 2
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes  # K and V, every layer
     weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) if Path(path).is_dir() else 0
     budget = int(cfg.vllm.gpu_memory_utilization * memory) - weights

@@ -33,7 +33,15 @@ from typing import Any, Optional
 from unstable_dask.config import ModelConfig
 from unstable_dask.inference import aio, reaper, vllm_cpu
 from unstable_dask.inference import engine as engines
-from unstable_dask.inference.engine import Adapter, Generation, chat_prompt, check_adapter, encode_prompts, prompt_budget
+from unstable_dask.inference.engine import (
+    Adapter,
+    Generation,
+    auto_dtype,
+    chat_prompt,
+    check_adapter,
+    encode_prompts,
+    prompt_budget,
+)
 from unstable_dask.inference.merge import write_zero_lora, zero_lora_name
 from unstable_dask.inference.vllm_merged import MergedWeights
 from unstable_dask.inference.weights import build_cached, resolve_model
@@ -53,13 +61,6 @@ def _import_vllm():
         raise JobError(f"model.backend is 'vllm' but vllm cannot be imported ({e}); "
                        "install it (pip install 'unstable-dask[gpu]') or use backend = 'hf'") from None
     return vllm, LoRARequest
-
-
-def _auto_dtype(dtype: str) -> str:
-    if dtype != "auto":
-        return dtype
-    import torch
-    return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
 def zero_adapter(like: Path) -> Adapter:
@@ -91,7 +92,7 @@ class _VLLMModel:
         merge = cfg.vllm.merge_adapter
         self.merge = merge is True or (merge == "auto" and not torch.cuda.is_available())
         args: dict[str, Any] = dict(
-            model=path, tokenizer=path, dtype=_auto_dtype(cfg.dtype), max_model_len=cfg.max_model_len,
+            model=path, tokenizer=path, dtype=auto_dtype(cfg.dtype), max_model_len=cfg.max_model_len,
             enable_lora=cfg.vllm.lora_layers == "always" or not self.merge,
             max_loras=cfg.vllm.max_loras, max_lora_rank=rank,
             gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
@@ -125,7 +126,7 @@ class _VLLMModel:
         self.zero: Optional[Adapter] = None
         self.sleeping = False
         self.waking: Optional[asyncio.Lock] = None  # made on the loop
-        self.weights = MergedWeights(path, getattr(torch, _auto_dtype(cfg.dtype)), self._reload_weights,
+        self.weights = MergedWeights(path, getattr(torch, auto_dtype(cfg.dtype)), self._reload_weights,
                                      self.lora_request, self._add_lora_layers, lambda: self.lora_layers)
 
     def start_engine(self) -> Any:
