@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from unstable_dask.jobfile import default_job  # noqa: E402
 from unstable_dask.lake import Lake  # noqa: E402
-from unstable_dask.rate import ratings  # noqa: E402
+from unstable_dask.rate import ratings, replay_state  # noqa: E402
 from unstable_dask.skill import make_env  # noqa: E402
 
 import synthetic_lake as sl  # noqa: E402
@@ -75,25 +75,25 @@ def main() -> None:
 
         # The replay alone (prepared duels -> ratings), as the rate job runs it.
         con = Lake(tmp).connect()
-        games = ratings._read_games(con, "bench", True, -1)
+        games = ratings.read_games(con, "bench", True, -1)
         con.close()
         envs = [ratings.OVERALL] + sorted(set(games.column("env_id").to_pylist()))
         models = sorted(set(__import__("pyarrow").compute.list_flatten(games.column("uids")).to_pylist()))
-        st = ratings._State(envs, models, {})
+        st = replay_state.State(envs, models, {})
         t0 = time.perf_counter()
-        duels, rounds, _ = ratings._duels(st, games)
+        duels, rounds, _ = ratings.prepare_duels(st, games)
         t_prep = time.perf_counter() - t0
         t0 = time.perf_counter()
-        ratings._replay(st, job.ratings, duels, rounds, list(range(args.rounds)))
+        ratings.replay(st, job.ratings, duels, rounds, list(range(args.rounds)))
         t_replay = time.perf_counter() - t0
 
         # The package on a sample (the first games in canonical order) and the same sample fast.
         sample = games.slice(0, args.sample).to_pylist()
         rows = [(g["env_id"], g["uids"][0], g["uids"][1], g["rewards"][0], g["rewards"][1]) for g in sample]
         want, t_pkg = package_loop(rows, job.ratings)
-        st2 = ratings._State(envs, models, {})
-        d2, rounds2, _ = ratings._duels(st2, games.slice(0, args.sample))
-        ratings._replay(st2, job.ratings, d2, rounds2, sorted(set(rounds2.tolist())))
+        st2 = replay_state.State(envs, models, {})
+        d2, rounds2, _ = ratings.prepare_duels(st2, games.slice(0, args.sample))
+        ratings.replay(st2, job.ratings, d2, rounds2, sorted(set(rounds2.tolist())))
         diff = max(max(abs(st2.mu[st2.slot(e, m)] - mu), abs(st2.sg[st2.slot(e, m)] - sd))
                    for (e, m), (mu, sd) in want.items())
         pkg_per_game = t_pkg / args.sample

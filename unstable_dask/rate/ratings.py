@@ -26,12 +26,9 @@ Replay rules (the ratings are a pure function of the lake):
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -39,8 +36,8 @@ import trueskill
 
 from unstable_dask.config import Job, RatingsConfig
 from unstable_dask.errors import JobError
-from unstable_dask.lake import Lake, catalog, storage
-from unstable_dask.rate import bradley_terry
+from unstable_dask.lake import Lake, catalog
+from unstable_dask.rate import bradley_terry, replay_state
 from unstable_dask.rate.duels import FAST, MIRROR, MULTI, SOLO, dense_ranks, enter_track, package_rate, replay_duels
 from unstable_dask.skill import make_env
 
@@ -71,95 +68,6 @@ class RatingsResult:
                 f"{' (incremental)' if self.incremental else ''} in {self.seconds:.1f} s")
 
 
-# ---------------------------------------------------------------- replay state
-
-class _State:
-    """mu/sigma/counters per slot = track * M + model, plus pairwise counts per track."""
-
-    def __init__(self, envs: list[str], models: list[str], parent_of: dict[str, str]):
-        self.envs, self.models = envs, models  # envs[0] == OVERALL; models sorted
-        self.env_ix = {e: i for i, e in enumerate(envs)}
-        self.model_ix = {m: i for i, m in enumerate(models)}
-        M, n = len(models), len(envs) * len(models)
-        self.mu, self.sg, self.seen = [0.0] * n, [0.0] * n, [False] * n
-        self.counts = np.zeros((n, 5), dtype=np.int64)  # games, wins, draws, losses, mirror
-        self.pairs: dict[tuple[int, int, int], np.ndarray] = {}  # (track, a, b), a < b -> [wins_a, draws, wins_b]
-        pm = [self.model_ix.get(parent_of.get(m, ""), -1) for m in models]
-        for m in range(M):  # a lineage loop would make enter_track spin forever
-            p, steps = pm[m], 0
-            while p >= 0:
-                p, steps = pm[p], steps + 1
-                if steps > M:
-                    raise JobError(f"checkpoints table: the lineage of {models[m]!r} loops back on itself")
-        self.parent = [t * M + p if p >= 0 else -1 for t in range(len(envs)) for p in pm]
-
-    def slot(self, env: str, model: str) -> int:
-        return self.env_ix[env] * len(self.models) + self.model_ix[model]
-
-    def add_pairs(self, track: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-        """Count pairwise results of models a vs b (out: +1 a won, 0 draw, -1 b won) per track."""
-        M = len(self.models)
-        swap = a > b
-        lo, hi = np.where(swap, b, a), np.where(swap, a, b)
-        res = np.where(swap, -out, out)  # from lo's side
-        cell = ((track.astype(np.int64) * M + lo) * M + hi) * 3 + (1 - res)  # 0 lo won, 1 draw, 2 hi won
-        uniq, n = np.unique(cell, return_counts=True)
-        for c, k in zip(uniq.tolist(), n.tolist()):
-            key = (c // 3 // (M * M), c // 3 // M % M, c // 3 % M)
-            self.pairs.setdefault(key, np.zeros(3, dtype=np.int64))[c % 3] += k
-
-
-def _fingerprint(cfg: RatingsConfig, models: list[str], parent_of: dict[str, str]) -> str:
-    blob = json.dumps({"ts": [cfg.mu, cfg.sigma, cfg.beta, cfg.tau, cfg.draw_probability, cfg.inherit_sigma_factor,
-                              cfg.include_eval], "lineage": [[m, parent_of.get(m)] for m in models]})
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _digest(table: pa.Table) -> str:
-    """sha256 of a table's values (column by column: nulls, then values), whatever its chunks or
-    file: what `rate` wrote is what the next `rate` continues from, or it replays in full."""
-    h = hashlib.sha256()
-    for name in table.column_names:
-        col = table.column(name)
-        h.update(name.encode() + b"\0" + pa.compute.is_null(col).to_numpy(zero_copy_only=False).tobytes())
-        if pa.types.is_string(col.type):
-            h.update(json.dumps(col.to_pylist()).encode())
-        else:
-            h.update(pa.compute.fill_null(col, pa.scalar(0, col.type)).to_numpy(zero_copy_only=False).tobytes())
-    return h.hexdigest()
-
-
-def _load_state(lake: Lake, run_name: str, cfg: RatingsConfig, parent_of: dict[str, str],
-                committed: list[int]) -> Optional[tuple[pa.Table, list[int], pa.Table]]:
-    """The saved state, its rounds and the rating history written with it, if it may be extended
-    by the rounds committed since; else None (a full replay). A state or history that is not
-    what the last rate wrote (checksums in the state's metadata) is replayed, never trusted."""
-    path = lake.file("ratings_state", run_name, None, "state")
-    history_path = lake.file("rating_history", run_name, None, "rating_history")
-    if storage.size(path) is None:
-        return None
-    try:
-        table = storage.read_table(path)
-        meta = json.loads(table.schema.metadata[b"unstable_dask"])
-        history = storage.read_table(history_path).cast(SCHEMAS["rating_history"])
-        whole = meta["sha256"] == _digest(table) and meta["history_sha256"] == _digest(history)
-    except Exception as e:  # noqa: BLE001 - torn, bit-flipped, older or missing: any state not proven whole
-        whole, why = False, f"{type(e).__name__}: {str(e)[:200]}"
-    else:
-        why = "its checksum does not match"
-    if not whole:
-        log.warning("rate: the saved replay state of run %r (%s) cannot be trusted (%s); replaying every round",
-                    run_name, path, why)
-        return None
-    done = meta["rounds"]
-    models = sorted(set(table.column("model_uid").to_pylist()) | set(table.column("model_b").drop_null().to_pylist()))
-    if meta["fingerprint"] != _fingerprint(cfg, models, parent_of) or not set(done) <= set(committed):
-        return None
-    if any(r <= max(done, default=-1) for r in set(committed) - set(done)):
-        return None  # a round older than the state was committed late: canonical order changed
-    return table, done, history.filter(pa.compute.is_in(history.column("round"), pa.array(done, pa.int64())))
-
-
 # ---------------------------------------------------------------- reading and replaying games
 
 _GAMES_SQL = """SELECT round, game_id, env_id,
@@ -168,7 +76,7 @@ _GAMES_SQL = """SELECT round, game_id, env_id,
 FROM games WHERE run = ? AND round > ? {split} ORDER BY round, game_id"""
 
 
-def _read_games(con, run_name: str, include_eval: bool, after: int) -> pa.Table:
+def read_games(con, run_name: str, include_eval: bool, after: int) -> pa.Table:
     sql = _GAMES_SQL.format(split="" if include_eval else "AND split IN ('train', 'league')")
     return con.sql(sql, params=[run_name, after]).to_arrow_table()
 
@@ -184,7 +92,7 @@ def _flat(col: pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), pa.compute.list_flatten(arr)
 
 
-def _duels(st: _State, games: pa.Table) -> tuple[dict, np.ndarray, int]:
+def prepare_duels(st: replay_state.State, games: pa.Table) -> tuple[dict, np.ndarray, int]:
     """Two duels per valid game (overall track, env track), counters and pair counts updated.
 
     Returns the duel lists, each valid game's round, and the number of skipped games.
@@ -251,7 +159,7 @@ def _duels(st: _State, games: pa.Table) -> tuple[dict, np.ndarray, int]:
     return duels, rounds, int(len(valid) - len(keep))
 
 
-def _slow(st: _State, cfg: RatingsConfig, duels: dict, k: int) -> None:
+def _slow(st: replay_state.State, cfg: RatingsConfig, duels: dict, k: int) -> None:
     """Rate duel k with the package: an N-player game, or a 2-team game the closed form refused."""
     if duels["dkind"][k] == MULTI:
         slots, ranks = duels["payload"][k]
@@ -267,7 +175,7 @@ def _slow(st: _State, cfg: RatingsConfig, duels: dict, k: int) -> None:
             st.mu[s], st.sg[s] = m, sd
 
 
-def _replay(st: _State, cfg: RatingsConfig, duels: dict, rounds: np.ndarray, todo: list[int]) -> list[pa.Table]:
+def replay(st: replay_state.State, cfg: RatingsConfig, duels: dict, rounds: np.ndarray, todo: list[int]) -> list[pa.Table]:
     """Replay the duels round by round; return a rating_history snapshot after each round."""
     margin = trueskill.calc_draw_margin(cfg.draw_probability, 2, env=make_env(cfg))
     snaps, M = [], len(st.models)
@@ -291,36 +199,6 @@ def _replay(st: _State, cfg: RatingsConfig, duels: dict, rounds: np.ndarray, tod
 
 # ---------------------------------------------------------------- output tables
 
-def _sorted(table: pa.Table, keys: list[tuple[str, str]]) -> pa.Table:
-    return table.sort_by(keys) if table.num_rows else table
-
-
-def _state_table(st: _State) -> pa.Table:
-    M, rows = len(st.models), []
-    for s in np.flatnonzero(np.array(st.seen, dtype=bool)).tolist():
-        g, w, d, lost, mir = st.counts[s].tolist()
-        rows.append({"kind": "slot", "env_id": st.envs[s // M], "model_uid": st.models[s % M], "model_b": None,
-                     "mu": st.mu[s], "sigma": st.sg[s], "games": g, "wins": w, "draws": d, "losses": lost, "mirror_games": mir})
-    for (t, a, b), (wa, d, wb) in sorted(st.pairs.items()):
-        rows.append({"kind": "pair", "env_id": st.envs[t], "model_uid": st.models[a], "model_b": st.models[b],
-                     "mu": None, "sigma": None, "games": int(wa + d + wb), "wins": int(wa), "draws": int(d),
-                     "losses": int(wb), "mirror_games": 0})
-    table = pa.Table.from_pylist(rows, schema=SCHEMAS["ratings_state"])
-    return _sorted(table, [("kind", "ascending"), ("env_id", "ascending"), ("model_uid", "ascending"),
-                           ("model_b", "ascending")])
-
-
-def _restore(st: _State, table: pa.Table) -> None:
-    for row in table.to_pylist():
-        if row["kind"] == "slot":
-            s = st.slot(row["env_id"], row["model_uid"])
-            st.mu[s], st.sg[s], st.seen[s] = row["mu"], row["sigma"], True
-            st.counts[s] = [row["games"], row["wins"], row["draws"], row["losses"], row["mirror_games"]]
-        else:
-            key = (st.env_ix[row["env_id"]], st.model_ix[row["model_uid"]], st.model_ix[row["model_b"]])
-            st.pairs[key] = np.array([row["wins"], row["draws"], row["losses"]], dtype=np.int64)
-
-
 def _outputs(state: pa.Table, cfg: RatingsConfig, seed: int) -> tuple[pa.Table, pa.Table]:
     """ratings and head_to_head from the replay state (BT per track from the pairwise counts)."""
     slots = [r for r in state.to_pylist() if r["kind"] == "slot"]
@@ -339,15 +217,15 @@ def _outputs(state: pa.Table, cfg: RatingsConfig, seed: int) -> tuple[pa.Table, 
                                           "mirror_games")},
                      "conservative": r["mu"] - 3 * r["sigma"], "bt_score": score, "bt_ci_low": lo, "bt_ci_high": hi,
                      "rank": rank})
-    ratings = _sorted(pa.Table.from_pylist(rows, schema=SCHEMAS["ratings"]),
-                      [("env_id", "ascending"), ("conservative", "descending"), ("model_uid", "ascending")])
+    ratings = pa.Table.from_pylist(rows, schema=SCHEMAS["ratings"]).sort_by(
+        [("env_id", "ascending"), ("conservative", "descending"), ("model_uid", "ascending")])
     h2h = []
     for r in pairs:
         for a, b, wa in ((r["model_uid"], r["model_b"], r["wins"]), (r["model_b"], r["model_uid"], r["losses"])):
             h2h.append({"env_id": r["env_id"], "model_a": a, "model_b": b, "games": r["games"], "wins_a": wa,
                         "draws": r["draws"], "win_rate_a": (wa + 0.5 * r["draws"]) / r["games"]})
-    head = _sorted(pa.Table.from_pylist(h2h, schema=SCHEMAS["head_to_head"]),
-                   [("env_id", "ascending"), ("model_a", "ascending"), ("model_b", "ascending")])
+    head = pa.Table.from_pylist(h2h, schema=SCHEMAS["head_to_head"]).sort_by(
+        [("env_id", "ascending"), ("model_a", "ascending"), ("model_b", "ascending")])
     return ratings, head
 
 
@@ -370,9 +248,9 @@ def rate(job: Job, full: bool = False, empty_ok: bool = False) -> RatingsResult:
     con = lake.connect()
     try:
         parent_of = _lineage(con, run_name)
-        saved = None if full else _load_state(lake, run_name, cfg, parent_of, committed)
+        saved = None if full else replay_state.load(lake, run_name, cfg, parent_of, committed)
         done = saved[1] if saved else []
-        games = _read_games(con, run_name, cfg.include_eval, max(done, default=-1))
+        games = read_games(con, run_name, cfg.include_eval, max(done, default=-1))
     finally:
         con.close()
     old = saved[0] if saved else pa.Table.from_pylist([], schema=SCHEMAS["ratings_state"])
@@ -380,25 +258,21 @@ def rate(job: Job, full: bool = False, empty_ok: bool = False) -> RatingsResult:
     models = sorted(set(old.column("model_uid").to_pylist()) | set(old.column("model_b").drop_null().to_pylist())
                     | set(pa.compute.list_flatten(games.column("uids")).drop_null().to_pylist())
                     | set(parent_of) | set(parent_of.values()))
-    st = _State(envs, models, parent_of)
-    _restore(st, old)
-    duels, rounds, skipped = _duels(st, games)
+    st = replay_state.State(envs, models, parent_of)
+    replay_state.restore(st, old)
+    duels, rounds, skipped = prepare_duels(st, games)
     todo = [r for r in committed if r not in set(done)]
-    snaps = _replay(st, cfg, duels, rounds, todo)
+    snaps = replay(st, cfg, duels, rounds, todo)
 
     if saved:
         snaps.insert(0, saved[2])
-    history = _sorted(pa.concat_tables(snaps) if snaps else SCHEMAS["rating_history"].empty_table(),
-                      [("round", "ascending"), ("env_id", "ascending"), ("model_uid", "ascending")])
-    state = _state_table(st)
+    history = (pa.concat_tables(snaps) if snaps else SCHEMAS["rating_history"].empty_table()).sort_by(
+        [("round", "ascending"), ("env_id", "ascending"), ("model_uid", "ascending")])
+    state = replay_state.table_of(st)
     ratings, head = _outputs(state, cfg, job.run.seed)
     paths = [lake.write(name, run_name, None, name, table)
              for name, table in (("ratings", ratings), ("rating_history", history), ("head_to_head", head))]
-    saved_models = sorted(set(state.column("model_uid").to_pylist()) | set(state.column("model_b").drop_null().to_pylist()))
-    meta = {"rounds": committed, "fingerprint": _fingerprint(cfg, saved_models, parent_of), "sha256": _digest(state),
-            "history_sha256": _digest(history)}
-    state = state.replace_schema_metadata({"unstable_dask": json.dumps(meta)})
-    paths.append(lake.write("ratings_state", run_name, None, "state", state))  # last: the commit point
+    paths.append(replay_state.save(lake, run_name, state, history, cfg, parent_of, committed))  # last: the commit point
     kinds = np.array(duels["dkind"][::2], dtype=np.int64)
     return RatingsResult(run_name=run_name, ratings=ratings, rating_history=history, head_to_head=head,
                          games_rated=int(np.isin(kinds, (FAST, SOLO, MULTI)).sum()),
