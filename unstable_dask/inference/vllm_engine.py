@@ -113,6 +113,7 @@ class _VLLMModel:
         # Started by the first task's `prepare` (or request), which knows whether it needs vLLM's
         # LoRA layers: a league's engine then starts with them, not without only to restart at once.
         self.engine: Any = None
+        self.start_error: Optional[Exception] = None  # why the last start failed (`ready`)
         # Our own HF tokenizer (same files vLLM loads): identical encoding and chat template
         # to the hf backend, whatever wrapper this vLLM version returns from get_tokenizer().
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -137,12 +138,20 @@ class _VLLMModel:
         self.starts += 1
         return engine
 
-    async def ready(self, lora_layers: bool = False) -> Any:
+    async def ready(self, lora_layers: bool = False, retry: bool = False) -> Any:
         """The engine, started now if none is running (with vLLM's LoRA layers if `lora_layers` or
-        the engine arguments ask for them)."""
+        the engine arguments ask for them). After a start that failed, only a `retry` (a new task or
+        batch) tries again; the requests waiting on that start get its error, not a start each."""
         if self.engine is None:
+            if self.start_error is not None and not retry:
+                raise self.start_error
             self.args["enable_lora"] = bool(self.args["enable_lora"] or lora_layers)
-            self.engine = self.start_engine()
+            try:
+                self.engine = self.start_engine()
+            except Exception as e:
+                self.start_error = e
+                raise
+            self.start_error = None
             self.sleeping = False
         return self.engine
 
@@ -168,7 +177,7 @@ class _VLLMModel:
             _stop_engine(self.engine)
             self.engine = None
             gc.collect()
-        await self.ready(lora_layers=True)
+        await self.ready(lora_layers=True, retry=True)
 
     def lora_request(self, adapter: Optional[Adapter]) -> Any:
         if adapter is None:
@@ -217,7 +226,7 @@ class VLLMEngine:
         async def use() -> None:
             # A task that mixes adapters is served through the LoRA layers: the first one starts the
             # engine with them.
-            await self.vm.ready(lora_layers=self.vm.merge and len(adapters) > 1)
+            await self.vm.ready(lora_layers=self.vm.merge and len(adapters) > 1, retry=True)
             if self.vm.base_lora and None in adapters and len(adapters) > 1:
                 for adapter in adapters - {None}:  # ids now: the task's base requests take the zero LoRA from the first
                     self.vm.lora_request(adapter)
@@ -236,6 +245,7 @@ class VLLMEngine:
         ids = encode_prompts(self.tokenizer, prompts, prompt_budget(self.cfg))
 
         async def batch() -> list[Generation]:
+            await self.vm.ready(retry=True)  # one start for the batch, or its error
             return list(await asyncio.gather(*(self._request(x, adapter, None if seed is None else seed + i)
                                                for i, x in enumerate(ids))))
         return aio.run(batch())
