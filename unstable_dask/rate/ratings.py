@@ -26,10 +26,10 @@ Replay rules (the ratings are a pure function of the lake):
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 import trueskill
@@ -42,7 +42,6 @@ from unstable_dask.rate.duels import FAST, MIRROR, MULTI, SOLO, dense_ranks, ent
 from unstable_dask.skill import make_env
 
 OVERALL = "*"
-log = logging.getLogger("unstable_dask.rate")
 
 # The tables this job writes: their schemas live in the catalog with every other table's.
 SCHEMAS: dict[str, pa.Schema] = {t: catalog.SCHEMAS[t] for t in ("ratings", "rating_history", "head_to_head", "ratings_state")}
@@ -76,7 +75,9 @@ _GAMES_SQL = """SELECT round, game_id, env_id,
 FROM games WHERE run = ? AND round > ? {split} ORDER BY round, game_id"""
 
 
-def read_games(con, run_name: str, include_eval: bool, after: int) -> pa.Table:
+def read_games(con: duckdb.DuckDBPyConnection, run_name: str, include_eval: bool, after: int) -> pa.Table:
+    """The run's games after round `after` in replay order (round, game_id), seats by pid:
+    round, game_id, env_id, uids, rewards."""
     sql = _GAMES_SQL.format(split="" if include_eval else "AND split IN ('train', 'league')")
     return con.sql(sql, params=[run_name, after]).to_arrow_table()
 
