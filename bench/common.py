@@ -96,11 +96,17 @@ def _start_engine(model_cfg) -> tuple[str, float]:
     return engine.name, time.perf_counter() - t
 
 
+def on_every_worker(client, fn, *args) -> list:
+    """fn(*args) as a task on each worker of the cluster (in the worker process, where its resident
+    engine lives), in worker order; their results."""
+    return client.gather([client.submit(fn, *args, workers=[w], allow_other_workers=False, pure=False)
+                          for w in sorted(client.scheduler_info()["workers"])])
+
+
 def start_engines(client, model_cfg) -> tuple[str, float]:
     """Start the resident engine on every worker of the cluster before a round (engine start timed
     apart from it): the engine's name and the slowest worker's start in seconds."""
-    started = client.gather([client.submit(_start_engine, model_cfg, workers=[w], allow_other_workers=False, pure=False)
-                             for w in sorted(client.scheduler_info()["workers"])])
+    started = on_every_worker(client, _start_engine, model_cfg)
     return started[0][0], max(x[1] for x in started)
 
 
