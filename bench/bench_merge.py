@@ -34,25 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from common import row, save  # noqa: E402
-
-
-def small_adapter(base_path: str, folder: str) -> str:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from unstable_dask.config import LoraConfig as Lora
-    shape = Lora()  # the job's default LoRA: what jobs/smollm2-learn.toml trains
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path),
-                           LoraConfig(r=shape.rank, lora_alpha=shape.alpha, target_modules=shape.target_modules))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 1e-3)
-    model.save_pretrained(folder)
-    return folder
+from common import row, save, small_adapter  # noqa: E402
 
 
 def main() -> None:

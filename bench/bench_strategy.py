@@ -110,7 +110,9 @@ def run_rows(con, run_name: str) -> dict:
                 "legal_random_win_rate": b and b["win_rate"],
                 "legal_random_ci": b and [b["win_rate_low"], b["win_rate_high"]],
                 "above_baseline": bool(b and e["win_rate_low"] > b["win_rate_high"]),
-                "format_success": e["format_success"], "invalid_rate": e["invalid_rate"],
+                "format_success": e["format_success"],
+                "format_success_ci": [e["format_success_low"], e["format_success_high"]],
+                "invalid_rate": e["invalid_rate"],
                 "learner_entropy": entropy.get(k)})
             if k in kuhn:  # what it chose, not only how it scored
                 rounds[-1].update(zip(("kuhn_bet_share", "kuhn_bet_legal_turns", "kuhn_fold_share",

@@ -30,6 +30,26 @@ def row(*cells) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def small_adapter(base_path: str, folder: str) -> str:
+    """A LoRA adapter of the jobs' default shape on base_path, saved in folder: small random B, so it
+    costs what a trained adapter costs (compute and memory do not depend on the values)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from unstable_dask.config import LoraConfig as Lora
+    shape = Lora()  # the job's default LoRA: what jobs/smollm2-learn.toml trains
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path),
+                           LoraConfig(r=shape.rank, lora_alpha=shape.alpha, target_modules=shape.target_modules))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 1e-3)
+    model.save_pretrained(folder)
+    return folder
+
+
 def vllm_batch(engine, prompt_ids: list[list[int]], params) -> list:
     """`vllm.LLM.generate` on the project's resident vLLM engine: every prompt sent at once to the
     same async engine, no log-probs or decoding of ours; vLLM's RequestOutputs, in order.

@@ -254,6 +254,51 @@ def test_a_vllm_engine_that_cannot_start_fails_its_batch_once(cache, monkeypatch
     eng.close()
 
 
+def test_a_vllm_engine_whose_processes_died_is_replaced_by_the_next_task(cache, monkeypatch):
+    """vLLM's engine processes killed (for memory, say) fail the requests in flight; the worker's next
+    task (or a Dask retry of the failed one) starts a new engine instead of failing on the dead one."""
+    from unstable_dask.config import VllmConfig
+    from unstable_dask.inference import aio
+
+    engines: list = []
+
+    class AsyncLLM:
+        def __init__(self):
+            self.dead, self.stopped = False, False
+            engines.append(self)
+
+        @classmethod
+        def from_engine_args(cls, args):
+            return cls()
+
+        @property
+        def errored(self):
+            return self.dead
+
+        async def generate(self, prompt, params, request_id, lora_request=None):
+            if self.dead:
+                raise RuntimeError("EngineCore encountered an issue")
+            c = SimpleNamespace(token_ids=[5], finish_reason="stop", logprobs=None)
+            yield SimpleNamespace(outputs=[c], finished=True)
+
+        def shutdown(self):
+            self.stopped = True
+
+    install_stand_in_vllm(monkeypatch, AsyncLLM)
+    eng = get_engine(GREEDY.model_copy(update={"backend": "vllm", "vllm": VllmConfig(max_loras=2)}))
+    eng.prepare({None})
+    assert [g.token_ids for g in eng.generate(["a", "b"])] == [[5], [5]] and len(engines) == 1
+    engines[0].dead = True  # its processes were killed between two batches
+    assert [g.token_ids for g in eng.generate(["a", "b"])] == [[5], [5]]
+    assert len(engines) == 2 and engines[0].stopped and not engines[1].stopped
+    engines[1].dead = True  # ... or while a task's games were in flight
+    with pytest.raises(RuntimeError, match="EngineCore"):
+        aio.run(eng.agenerate("a"))
+    eng.prepare({None})  # the next task (or the task's retry)
+    assert len(engines) == 3 and [g.token_ids for g in eng.generate(["c"])] == [[5]]
+    eng.close()
+
+
 def test_vllm_engine_glue_with_a_stand_in_vllm(cache, monkeypatch, adapters):
     """vLLM is not installed here: a stand-in with vLLM's async engine API exercises our glue code."""
     import asyncio

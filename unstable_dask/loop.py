@@ -74,7 +74,8 @@ def round_summary(job: Job, round_: int) -> list[str]:
                f"win rate {r['win_rate']:.2f} [{r['win_rate_low']:.2f}, {r['win_rate_high']:.2f}], ")
         invalid = ("" if r["invalid_rate"] is None else
                    f"invalid moves {r['invalid_rate']:.2f} [{r['invalid_rate_low']:.2f}, {r['invalid_rate_high']:.2f}]"
-                   f" of {r['turns']} turns, format {r['format_success']:.2f}, {r['mean_completion_tokens']:.1f} tokens")
+                   f" of {r['turns']} turns, format {r['format_success']:.2f} [{r['format_success_low']:.2f}, "
+                   f"{r['format_success_high']:.2f}], {r['mean_completion_tokens']:.1f} tokens")
         lines.append(f"  {r['split']} vs {r['opponent']} ({r['games']} games): {win}{invalid}".rstrip(", "))
     return lines
 

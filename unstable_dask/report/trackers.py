@@ -43,8 +43,8 @@ PROJECT = "unstable_dask"
 TAG = "unstable_dask.run"
 SERIES = {"round": "round/", "rated_round": "rating/", "learner_step": "learner/"}  # step key -> key prefix
 ROUND_COLUMNS = ("games", "wins", "draws", "losses", "win_rate", "win_rate_low", "win_rate_high", "turns",
-                 "format_success", "invalid_rate", "invalid_rate_low", "invalid_rate_high",
-                 "mean_completion_tokens", "mean_reward", "game_length")
+                 "format_success", "format_success_low", "format_success_high", "invalid_rate", "invalid_rate_low",
+                 "invalid_rate_high", "mean_completion_tokens", "mean_reward", "game_length")
 
 
 def _key(text: str) -> str:
