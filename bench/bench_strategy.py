@@ -6,10 +6,10 @@ its learner's optimizer updates took (no pauses, no engine or learner start-up);
 from the run's start to that round's commit, the eval win rate (draws half)
 against each fixed opponent with its Wilson 95% interval, the same games' `legal-random` baseline
 (round.eval_baseline: the random agent, which plays legal moves, in the learner's seats on the
-same seeds) with its interval, format success and invalid-move rate of the learner's eval turns,
-and whether the learner's interval lies entirely above the baseline's. On Kuhn Poker, where the
-best reply to the random agent is simple to state (bet when you may, never fold:
-bench_kuhn_policies.py), also what the learner chose: the share of its eval decisions with
+same seeds) with its interval, the number of the learner's eval turns, their format success (with
+its interval) and invalid-move rate, and whether the learner's interval lies entirely above the
+baseline's. On Kuhn Poker, where the best reply to the random agent is simple to state (bet when
+you may, never fold: bench_kuhn_policies.py), also what the learner chose: the share of its eval decisions with
 `[bet]` legal that bet, and of those facing a bet that fold; the invalid-move rate of each kind of
 decision; the share of its training turns that faced a bet, and of those the share it folded and
 the game's reward to its seat after a fold and after a call; of its training turns with `[bet]`
@@ -110,7 +110,7 @@ def run_rows(con, run_name: str) -> dict:
                 "legal_random_win_rate": b and b["win_rate"],
                 "legal_random_ci": b and [b["win_rate_low"], b["win_rate_high"]],
                 "above_baseline": bool(b and e["win_rate_low"] > b["win_rate_high"]),
-                "format_success": e["format_success"],
+                "eval_turns": e["turns"], "format_success": e["format_success"],
                 "format_success_ci": [e["format_success_low"], e["format_success_high"]],
                 "invalid_rate": e["invalid_rate"],
                 "learner_entropy": entropy.get(k)})
