@@ -50,10 +50,11 @@ def write_merged(base_dir: str, adapter_dir: str, out: Path, dtype: Any) -> bool
     when the base has one); False, writing nothing, when the adapter is not plain LoRA or names weights
     the base does not have, or of another shape.
 
-    Memory stays near two shards (SHARD_BYTES each), whatever the model's size: weights are read one at
-    a time and written in shards. Loading whole files and saving them in one piece took 2.2x the model's
-    size at the peak (5.5 GB for a 0.5B model in fp32, in each worker at once), and the freed memory
-    stayed in the worker, which got a 0.5B model's engines killed for memory (BENCHMARKS.md)."""
+    Memory stays near two shards (SHARD_BYTES each) and the largest tensor, whatever the model's size:
+    weights are read one at a time and written in shards. Making every delta first and loading and
+    saving whole files took 1.1x the model's size at the peak (2.9 GB for a 0.5B model in fp32, in each
+    worker at once), and the freed memory stayed in the worker: a 0.5B model's engine was killed for
+    memory (BENCHMARKS.md, "the merge's memory")."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
