@@ -28,12 +28,16 @@ SAMPLE_MODELS = arena.NEWEST + 1  # transcripts of the newest learner checkpoint
 SAMPLES_PER_MODEL = 2  # transcript games per checkpoint
 
 
-def _wilson(p: str, n: str, name: str) -> str:
-    """`name_low, name_high`: the Wilson 95% score interval of the rate p over n trials, as SQL
-    (z is a column of the query), clipped to [0, 1]."""
-    centre = f"({p} + z * z / (2 * {n})) / (1 + z * z / {n})"
-    half = f"z * sqrt({p} * (1 - {p}) / {n} + z * z / (4 * {n} * {n})) / (1 + z * z / {n})"
-    return f"greatest({centre} - {half}, 0) AS {name}_low, least({centre} + {half}, 1) AS {name}_high"
+def _wilson_terms(p: str, n: str) -> str:
+    """The centre and half-width of the Wilson 95% score interval of the rate column p over n trials,
+    as SQL columns p_c and p_h (z is a column of the query)."""
+    return (f"({p} + z * z / (2 * {n})) / (1 + z * z / {n}) AS {p}_c, "
+            f"z * sqrt({p} * (1 - {p}) / {n} + z * z / (4 * {n} * {n})) / (1 + z * z / {n}) AS {p}_h")
+
+
+def _wilson_bounds(p: str) -> str:
+    """p_low and p_high from _wilson_terms' columns, clipped to [0, 1]."""
+    return f"greatest({p}_c - {p}_h, 0) AS {p}_low, least({p}_c + {p}_h, 1) AS {p}_high"
 
 
 # The learning curves, one query over every run (`run report --show-sql` prints it, `run sql` runs
@@ -41,9 +45,10 @@ def _wilson(p: str, n: str, name: str) -> str:
 # seats), plus opponent '*' for all its games of that split. opponent: the other seats' model_uids
 # joined by '+' ('self' when the checkpoint held every seat, 'solo' in a single-player game).
 # Win rate counts draws half; invalid-move rate and format success are over the learner's turns.
-# Each carries a Wilson 95% score interval (`_wilson`, z = 1.96; with draws half the successes may
-# be fractional, which the formula takes as is). Turns of one game are not independent, so the turn-level interval is narrower
-# than the truth. mu/sigma: the checkpoint's overall TrueSkill after the round (`run rate`).
+# Each carries a Wilson 95% score interval (`_wilson_terms`, z = 1.96; with draws half the successes
+# may be fractional, which the formula takes as is). Turns of one game are not independent, so the
+# turn-level interval is narrower than the truth. mu/sigma: the checkpoint's overall TrueSkill
+# after the round (`run rate`).
 CURVES_SQL = """
 WITH subject_ AS (  -- the seats under study: the learner's, and in baseline games legal-random's in its place
     SELECT *, is_learner OR (split = 'baseline' AND model_uid = '""" + LEGAL_RANDOM_UID + """') AS subject FROM seats),
@@ -73,13 +78,18 @@ by_turn AS (
     FROM turns_ GROUP BY GROUPING SETS ((run, round, split, opponent), (run, round, split))),
 joined AS (
     SELECT s.*, r.checkpoint_uid, t.* EXCLUDE (run, round, split, opponent), 1.959963984540054 AS z
-    FROM rounds r JOIN by_seat s USING (run, round) LEFT JOIN by_turn t USING (run, round, split, opponent))
+    FROM rounds r JOIN by_seat s USING (run, round) LEFT JOIN by_turn t USING (run, round, split, opponent)),
+wilson AS (  -- win_rate over seats, invalid_rate and format_success over turns
+    SELECT *, """ + _wilson_terms("win_rate", "seats") + """,
+           """ + _wilson_terms("invalid_rate", "turns") + """,
+           """ + _wilson_terms("format_success", "turns") + """
+    FROM joined)
 SELECT w.run, w.round, w.checkpoint_uid, w.split, w.opponent, w.games, w.wins, w.draws, w.losses,
-       w.win_rate, """ + _wilson("w.win_rate", "w.seats", "win_rate") + """,
-       w.turns, w.format_success, """ + _wilson("w.format_success", "w.turns", "format_success") + """,
-       w.invalid_rate, """ + _wilson("w.invalid_rate", "w.turns", "invalid_rate") + """,
+       w.win_rate, """ + _wilson_bounds("win_rate") + """,
+       w.turns, w.format_success, """ + _wilson_bounds("format_success") + """,
+       w.invalid_rate, """ + _wilson_bounds("invalid_rate") + """,
        w.mean_completion_tokens, w.mean_reward, w.game_length, h.mu, h.sigma, h.conservative
-FROM joined w
+FROM wilson w
 LEFT JOIN rating_history h ON h.run = w.run AND h.round = w.round AND h.model_uid = w.checkpoint_uid AND h.env_id = '*'
 """
 
