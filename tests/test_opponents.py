@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import trueskill
 
+from unstable_dask.errors import JobError
 from unstable_dask.jobfile import load_job
 from unstable_dask.lake import Lake
 from unstable_dask.learn.learner import learn
@@ -103,3 +104,12 @@ def test_win_rate_gate_moves_on_exactly_when_the_lake_win_rate_passes_the_thresh
     learn(moved)
     # The gate still holds ckpt-1 for ckpt-2: its count restarted at round 2 and has no game yet.
     assert _pool(moved).current.uid == "ckpt-2" and _pool(moved).candidates() == ["ckpt-1"]
+
+
+def test_a_round_naming_a_checkpoint_its_run_lacks_fails_with_the_key_and_commits_nothing(tmp_path, local_client):
+    # ckpt-<k> passes the load-time check by its form; only the round can see the run has no ckpt-3.
+    job = _job(tmp_path, **{"round.opponents": {"strategy": "fixed", "fixed": ["random", "ckpt-3"]}})
+    with pytest.raises(JobError, match=r"key 'round.opponents.fixed\[1\]' names opponent 'ckpt-3'.*"
+                                       r"a checkpoint uid of run 'demo'"):
+        play_round(job, client=local_client)
+    assert Lake(job.run.lake).sql("SELECT count(*) AS n FROM rounds").column("n").to_pylist() == [0]

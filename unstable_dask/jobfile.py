@@ -92,22 +92,9 @@ def _check_templates(job: Job) -> None:
 def _check_opponents(job: Job) -> None:
     """Every opponent name is something a round can seat. Checkpoint uids are checked by their
     form here (the lake is not read at load) and against the run's checkpoints when a round starts."""
-    lists = [("round.opponents.fixed", job.round.opponents.fixed)]
-    for split in ("train", "eval"):
-        lists += [(f"round.{split}_envs[{i}].opponents", e.opponents or [])
-                  for i, e in enumerate(getattr(job.round, f"{split}_envs"))]
-    for key, names in lists:
-        for j, name in enumerate(names):
-            if not (reserved_uid(name) or name in job.endpoints or (Path(name) / "adapter_config.json").is_file()):
-                raise JobError(opponent_error(job, f"{key}[{j}]", name))
-
-
-def opponent_error(job: Job, key: str, name: str) -> str:
-    """The one message for an opponent name a round cannot seat."""
-    declared = ", ".join(repr(n) for n in job.endpoints) or "none declared"
-    return (f"{job.source}: key '{key}' names opponent {name!r}: expected 'random', 'base', an endpoint "
-            f"of [endpoints] ({declared}), a checkpoint uid of run {job.run.name!r} (ckpt-<k>), "
-            f"or a LoRA adapter directory")
+    for key, name in job.named_opponents():
+        if not (reserved_uid(name) or name in job.endpoints or (Path(name) / "adapter_config.json").is_file()):
+            raise JobError(job.opponent_error(key, name))
 
 
 def _check_league(job: Job) -> None:

@@ -86,6 +86,21 @@ class Job(Strict):
         """The run a league's games are written under."""
         return self.league.name or f"{self.run.name}-league"
 
+    def named_opponents(self) -> list[tuple[str, str]]:
+        """(key, name) of every opponent the round settings name: the fixed list, then each env's."""
+        lists = [("round.opponents.fixed", self.round.opponents.fixed)]
+        for split in ("train", "eval"):
+            lists += [(f"round.{split}_envs[{i}].opponents", e.opponents or [])
+                      for i, e in enumerate(getattr(self.round, f"{split}_envs"))]
+        return [(f"{key}[{j}]", name) for key, names in lists for j, name in enumerate(names)]
+
+    def opponent_error(self, key: str, name: str) -> str:
+        """The one message for an opponent name a round cannot seat (at load and when a round starts)."""
+        declared = ", ".join(repr(n) for n in self.endpoints) or "none declared"
+        return (f"{self.source}: key '{key}' names opponent {name!r}: expected 'random', 'base', an endpoint "
+                f"of [endpoints] ({declared}), a checkpoint uid of run {self.run.name!r} (ckpt-<k>), "
+                f"or a LoRA adapter directory")
+
     def fingerprint(self) -> str:
         """A short hash of the validated job, stored with every round commit."""
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()

@@ -24,7 +24,7 @@ from typing import Literal, Optional, Union
 import numpy as np
 import trueskill
 
-from unstable_dask.config import BASE_UID, RANDOM_UID, Job, reserved_uid
+from unstable_dask.config import BASE_UID, RANDOM_UID, Job
 from unstable_dask.errors import JobError
 from unstable_dask.lake import Lake
 from unstable_dask.skill import inherited, make_env
@@ -100,27 +100,6 @@ def list_checkpoints(lake: Lake, run_name: str) -> list[Checkpoint]:
                                 r["iteration"], r["parent_uid"]) for r in rows]
 
 
-def name_error(job: Job, key: str, name: str) -> str:
-    """The one message for an opponent name a round cannot seat."""
-    declared = ", ".join(repr(n) for n in job.endpoints) or "none declared"
-    return (f"{job.source}: key '{key}' names opponent {name!r}: expected 'random', 'base', an endpoint "
-            f"of [endpoints] ({declared}), a checkpoint uid of run {job.run.name!r} (ckpt-<k>), "
-            f"or a LoRA adapter directory")
-
-
-def check_names(job: Job) -> None:
-    """Every opponent name of a job is something a round can seat. Checkpoint uids are checked by
-    their form here (the lake is not read when a job loads) and against the run when a round starts."""
-    lists = [("round.opponents.fixed", job.round.opponents.fixed)]
-    for split in ("train", "eval"):
-        lists += [(f"round.{split}_envs[{i}].opponents", e.opponents or [])
-                  for i, e in enumerate(getattr(job.round, f"{split}_envs"))]
-    for key, names in lists:
-        for j, name in enumerate(names):
-            if not (reserved_uid(name) or name in job.endpoints or (Path(name) / "adapter_config.json").is_file()):
-                raise JobError(name_error(job, f"{key}[{j}]", name))
-
-
 def parse(job: Job, name: str, checkpoints: dict[str, Checkpoint], key: str) -> Opponent:
     """The opponent a name stands for (checkpoints: the run's, by uid, the base model included)."""
     if name == RANDOM_UID:
@@ -131,7 +110,7 @@ def parse(job: Job, name: str, checkpoints: dict[str, Checkpoint], key: str) -> 
         return checkpoints[name]
     if (Path(name) / "adapter_config.json").is_file():
         return AdapterDir(name)
-    raise JobError(name_error(job, key, name))
+    raise JobError(job.opponent_error(key, name))
 
 
 # ---------------------------------------------------------------- sampling the train opponents
@@ -194,6 +173,8 @@ class OpponentPool:
         strategy = job.round.opponents.strategy
         self.ratings = _ratings_overall(lake, job.run.name) if strategy == "match-quality" else {}
         self.gated = win_rate_opponent(job, lake, current.uid) if strategy == "win-rate" else None
+        for key, name in job.named_opponents():  # a checkpoint the run lacks fails here, not when first drawn
+            parse(job, name, self.by_uid, key)
 
     def seat(self, name: str, pid: int, key: str) -> Seat:
         return parse(self.job, name, self.by_uid, key).seat(pid)
