@@ -1,0 +1,142 @@
+"""The overlapped loop (learn.max_staleness = k > 0): rounds play while the learner trains, and the
+lake proves the bound: no update ever trained on a round played by a checkpoint more than k
+iterations older than its parent, every round is trained on exactly once, and a loop killed
+anywhere and started again finishes with nothing lost or doubled. Real rounds of the tiny model,
+a real LocalCluster, the real CLI for the kills."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from unstable_dask.jobfile import load_job
+from unstable_dask.lake import Lake
+from unstable_dask.loop import loop
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+SETS = {"round.train_games": 8, "round.eval_games": 2, "round.games_per_task": 4, "cluster.n_workers": 1,
+        "cluster.dashboard": False, "model.max_new_tokens": 8, "learn.batch_size": 8, "learn.mini_batch_size": 4,
+        "learn.gradient_checkpointing": False}
+
+# Per learner iteration: how stale each round it trained on was (the checkpoint that played the
+# round against the one it trained from), from the lake alone.
+STALENESS_SQL = """
+WITH ck AS (SELECT uid, iteration FROM checkpoints WHERE run = $run
+            UNION ALL SELECT 'base', 0),
+     trained AS (SELECT c.iteration, unnest(c.rounds_trained) AS round FROM checkpoints c WHERE c.run = $run)
+SELECT t.iteration, t.round, (t.iteration - 1) - ck.iteration AS staleness
+FROM trained t JOIN rounds r ON r.run = $run AND r.round = t.round JOIN ck ON ck.uid = r.checkpoint_uid
+ORDER BY t.round"""
+
+
+def check_lake(lake: Path, run: str, rounds: int, k: int) -> list[dict]:
+    """Every round committed and trained on once, staleness within k: by SQL over the lake."""
+    db = Lake(lake)
+    assert db.rounds(run) == list(range(rounds))
+    rows = db.sql(STALENESS_SQL, {"run": run}).to_pylist()
+    assert [r["round"] for r in rows] == list(range(rounds))  # each round trained on, once
+    assert all(0 <= r["staleness"] <= k for r in rows), rows
+    iterations = [c["iteration"] for c in db.table("checkpoints").rows(run)]
+    assert sorted(iterations) == list(range(1, len(iterations) + 1))  # no iteration twice, none skipped
+    steps = db.sql("SELECT iteration, staleness_max FROM learner_steps WHERE run = $run", {"run": run}).to_pylist()
+    assert all(s["staleness_max"] <= k for s in steps)
+    return rows
+
+
+def test_overlapped_loop_keeps_the_staleness_bound_and_trains_every_round(tmp_path, cache):
+    job = load_job("jobs/demo.toml", {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),
+                                      "learn.max_staleness": 1, **SETS})
+    loop(job, rounds=4, rate=False)
+    rows = check_lake(tmp_path / "lake", "demo", 4, 1)
+    # It did overlap: some round was played by the checkpoint before the one that then trained on it.
+    assert any(r["staleness"] == 1 for r in rows), rows
+
+
+def _run(args, cwd):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "unstable_dask.run", *args], cwd=cwd, env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_overlapped_loop_killed_anywhere_resumes_without_losing_or_doubling(tmp_path, cache):
+    sets = [x for key, value in {"run.lake": f'"{tmp_path / "lake"}"', "run.reports": f'"{tmp_path / "reports"}"',
+                                 "learn.max_staleness": 1, **SETS}.items()
+            for x in ("--set", f"{key}={str(value).lower() if isinstance(value, bool) else value}")]
+    cmd = ["loop", "--rounds", "4", *sets]
+    for after in (9.0, 17.0, 26.0, 38.0):
+        p = _run(cmd, tmp_path)
+        try:
+            if p.wait(timeout=after) == 0:
+                break
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        lake = Lake(tmp_path / "lake")
+        if lake.rounds("demo"):  # whatever survived a kill is consistent
+            committed = lake.rounds("demo")
+            assert committed == list(range(len(committed)))
+    assert _run(cmd, tmp_path).wait(timeout=900) == 0
+    check_lake(tmp_path / "lake", "demo", 4, 1)
+
+
+def test_rollback_retires_checkpoints_and_their_rounds_and_the_loop_goes_on(tmp_path, cache):
+    from unstable_dask.errors import JobError
+    from unstable_dask.learn.rollback import rollback
+    from unstable_dask.rate.ratings import rate
+    job = load_job("jobs/demo.toml", {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),
+                                      **SETS})
+    loop(job, rounds=3, rate=False)
+    lake = Lake(job.run.lake)
+    played = {r["round"]: r["checkpoint_uid"] for r in lake.sql("SELECT round, checkpoint_uid FROM rounds").to_pylist()}
+    assert played == {0: "base", 1: "ckpt-1", 2: "ckpt-2"}
+    with pytest.raises(JobError, match="ckpt-9"):
+        rollback(job, "ckpt-9")
+    done = rollback(job, "ckpt-1")
+    assert done.checkpoints == ["ckpt-2", "ckpt-3"] and done.rounds == [2]
+    lake = Lake(job.run.lake)
+    assert lake.rounds("demo") == [0, 1] and [c["uid"] for c in lake.table("checkpoints").rows("demo")] == ["ckpt-1"]
+    assert lake.sql("SELECT count(*) AS n FROM games WHERE round = 2").to_pylist() == [{"n": 0}]
+    loop(job, rounds=5, rate=False)  # goes on from ckpt-1; retired numbers are not reused
+    lake = Lake(job.run.lake)
+    assert lake.rounds("demo") == [0, 1, 3, 4]
+    lineage = {c["uid"]: (c["parent_uid"], c["rounds_trained"]) for c in lake.table("checkpoints").rows("demo")}
+    assert lineage == {"ckpt-1": ("base", [0]), "ckpt-4": ("ckpt-1", [1]), "ckpt-5": ("ckpt-4", [3]),
+                       "ckpt-6": ("ckpt-5", [4])}
+    assert rate(job).games_rated > 0  # the ratings replay the rounds that stay
+
+
+def test_a_nan_transform_stops_the_loop_in_one_line_and_rollback_lets_it_go_on(tmp_path, cache, capsys):
+    """A step transform that divides by zero from round 1 on: `loop` trains ckpt-1, then stops
+    with exit code 2 and one line naming the transform, committing no ckpt-2. `rollback --to base`
+    retires ckpt-1 and the round it played, and the loop, with the transform fixed, goes on (it
+    used to retrain iteration 1, which rollback had retired, and stop: no checkpoint was left to
+    count claimed iterations from)."""
+    import json
+
+    from unstable_dask.cli import main
+    lake = tmp_path / "lake"
+    sets = [x for key, value in {"run.lake": f'"{lake}"', "run.reports": f'"{tmp_path / "reports"}"', **SETS}.items()
+            for x in ("--set", f"{key}={str(value).lower() if isinstance(value, bool) else value}")]
+    nan = ("SELECT * REPLACE (CASE WHEN round >= 1 THEN reward / (completion_tokens - completion_tokens) "
+           "ELSE reward END AS reward) FROM steps")
+    assert main(["loop", "--rounds", "3", *sets, "--set", f"learn.step_transforms={json.dumps([nan])}"]) == 2
+    err = capsys.readouterr().err.strip()  # the loop's progress, then the error
+    last = err.splitlines()[-1]
+    assert "Traceback" not in err and [ln for ln in err.splitlines() if ln.startswith("error:")] == [last]
+    assert "learn.step_transforms[0]" in last and "nothing was trained or committed" in last
+    db = Lake(lake)
+    assert db.rounds("demo") == [0, 1] and [c["uid"] for c in db.table("checkpoints").rows("demo")] == ["ckpt-1"]
+    assert not list((lake / "adapters/demo").glob("ckpt-2.*"))
+    assert main(["rollback", "--to", "base", *sets]) == 0
+    assert "retired ckpt-1 and the round(s) they played [1]" in " ".join(capsys.readouterr().out.split())
+    assert main(["loop", "--rounds", "4", *sets]) == 0  # up to round 3
+    db = Lake(lake)
+    assert db.rounds("demo") == [0, 2, 3]  # round 1 retired; numbers are not reused
+    lineage = {c["uid"]: (c["parent_uid"], c["rounds_trained"]) for c in db.table("checkpoints").rows("demo")}
+    assert lineage == {"ckpt-2": ("base", [0]), "ckpt-3": ("ckpt-2", [2]), "ckpt-4": ("ckpt-3", [3])}
+    assert db.sql("SELECT count(*) AS n FROM learner_steps WHERE NOT isfinite(loss)").to_pylist() == [{"n": 0}]
