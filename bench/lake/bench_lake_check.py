@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/lake/"]  # what bench/stale.py checks for changes since a result's commit
+
 from bench_lake import QUERIES, write_round
 
 from unstable_dask.lake import Lake, read
@@ -55,7 +61,7 @@ def main() -> None:
     print(f"{args.rounds} rounds, {files} turns files: connect+count {on:.3f} s with the check, {off:.3f} s without "
           f"(ratio {on / off:.3f}); the check alone: games {check['games'] * 1000:.2f} ms, turns "
           f"{check['turns'] * 1000:.2f} ms")
-    print(f"results: {save('lake_check', dict(rounds=args.rounds, turns_files=files, connect_count_on_s=on, connect_count_off_s=off, ratio=on / off, check_s=check))}")
+    print(f"results: {save('lake_check', dict(rounds=args.rounds, turns_files=files, connect_count_on_s=on, connect_count_off_s=off, ratio=on / off, check_s=check), settings=vars(args))}")
 
 
 if __name__ == "__main__":

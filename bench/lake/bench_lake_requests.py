@@ -6,7 +6,7 @@ round 0 (a fresh lake), learn (ckpt-1), round 1 (a checkpoint to play). Delta-lo
 driver's DeltaTable constructions; requests are every HTTP request the server recorded during the
 command (driver, Dask workers, delta-rs, pyarrow and s3fs alike).
 
-    python bench/bench_lake_requests.py [--before 4651957]
+    python bench/lake/bench_lake_requests.py [--before 4651957]
 
 Writes bench/results/lake_requests.json and prints a markdown table.
 """
@@ -23,9 +23,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/lake/", "unstable_dask/play/", "unstable_dask/learn/", "unstable_dask/loop.py", "unstable_dask/run.py", "unstable_dask/cli.py"]  # what bench/stale.py checks for changes since a result's commit
+
 from common import row, save
 
-ROOT = Path(__file__).resolve().parent.parent
 RUNNER = """
 import json, sys
 import deltalake
@@ -124,7 +127,7 @@ def main() -> None:
         b, a = results["before"][name], results["after"][name]
         print(row(name, b["delta_log_reads"], a["delta_log_reads"], f"{a['delta_log_reads'] / b['delta_log_reads']:.2f}",
                   b["requests"], a["requests"], f"{a['requests'] / b['requests']:.2f}"))
-    print(save("lake_requests", {"before_commit": args.before, "settings": SETS, **results}))
+    print(save("lake_requests", {"before_commit": args.before, "job_settings": SETS, **results}, settings=vars(args)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Learner tokens/s (Trainer.step: ids + REINFORCE update) vs a bare peft loop on the same
 batch (pre-tokenized, forward/log-softmax/backward/clip/AdamW only). Target: ratio >= 0.9.
 
-    python bench/bench_learner.py [--batch 32] [--steps 5]
+    python bench/learn/bench_learner.py [--batch 32] [--steps 5]
 
 Prints a markdown row; writes bench/results/bench_learner.json.
 """
@@ -9,30 +9,28 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import pyarrow as pa
 import torch
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/learn/"]  # what bench/stale.py checks for changes since a result's commit
 
 from unstable_dask.jobfile import validate_job
 from unstable_dask.learn.trainer import Trainer
 
-from common import row, save
+from common import learner_batch, row, save
 
 
-def make_batch(tokenizer, n: int) -> pa.Table:
-    """Rows shaped like the batch query's: prompts, the engine's completion ids, sampling settings."""
+def make_batch(tokenizer, n: int):
+    """A short-game chat prompt (twice) and completions of 6-21 tokens, as learner rows."""
     prompt = ("<|im_start|>user\nYou are playing a two-player zero-sum game. Make valid actions to win.\n"
               "Observation: [GAME] Current Board: Available Moves: [0], [1], [2], [3]<|im_end|>\n<|im_start|>assistant\n")
-    prompts = [prompt * 2 + str(i) for i in range(n)]
-    completions = [f"I pick \\boxed{{[{i % 4}]}} because " + "reason " * (i % 16) for i in range(n)]
-    ids = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
-    return pa.table({"round": [0] * n, "game_id": [f"g{i}" for i in range(n)], "turn": [0] * n, "pid": [0] * n,
-                     "prompt": prompts, "prompt_tokens": [len(x) for x in ids(prompts)],
-                     "completion_token_ids": ids(completions), "logprobs": [None] * n,
-                     "temperature": [1.0] * n, "top_p": [1.0] * n,
-                     "advantage": [float((i % 3) - 1) for i in range(n)],
-                     "env_reward": [1.0] * n, "final_reward": [1.0] * n, "step_reward": [1.0] * n})
+    return learner_batch(tokenizer, [prompt * 2 + str(i) for i in range(n)],
+                         [f"I pick \\boxed{{[{i % 4}]}} because " + "reason " * (i % 16) for i in range(n)])
 
 
 def main() -> None:
@@ -73,7 +71,7 @@ def main() -> None:
     res = dict(name="bench_learner", model=job.model.base, device="cpu", batch=args.batch,
                ours_tokens_per_s=statistics.median(ours_tps), bare_tokens_per_s=statistics.median(bare_tps))
     res["ratio"] = res["ours_tokens_per_s"] / res["bare_tokens_per_s"]
-    save("bench_learner", res)
+    save("bench_learner", res, settings=vars(args))
     print(row("benchmark", "ours tok/s", "bare peft tok/s", "ratio", "target"))
     print(row(f"learner (REINFORCE, builtin:tiny, CPU, batch {args.batch})", f"{res['ours_tokens_per_s']:.0f}",
               f"{res['bare_tokens_per_s']:.0f}", f"{res['ratio']:.2f}", ">= 0.9"))

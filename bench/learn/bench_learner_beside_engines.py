@@ -9,7 +9,7 @@ LoRA layers (compiled), with no engine again, beside idle engines with the layer
 `--repeats` times. Each engine is started on its worker and has served a batch of chat prompts
 before the learner is timed; it is closed before the next phase.
 
-    .venv-vllm/bin/python bench/bench_learner_beside_engines.py [--job jobs/smollm2-learn.toml] [--rows 16]
+    .venv-vllm/bin/python bench/learn/bench_learner_beside_engines.py [--job jobs/smollm2-learn.toml] [--rows 16]
         [--steps 2] [--repeats 2] [--out learner_beside_engines]
 
 Writes bench/results/<out>.json and prints markdown rows.
@@ -21,11 +21,14 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/learn/", "unstable_dask/inference/", "unstable_dask/cluster/"]  # what bench/stale.py checks for changes since a result's commit
 
-from common import on_every_worker, row, save, start_engines  # noqa: E402
+
+from common import on_every_worker, row, save, start_engines, tictactoe_batch  # noqa: E402
 
 PHASES = ("none", "compiled", "none", "layers")
 
@@ -52,8 +55,6 @@ def main() -> None:
     ap.add_argument("--out", default="learner_beside_engines")
     args = ap.parse_args()
 
-    from bench_learner_speed import make_batch
-
     from unstable_dask.cluster.client import open_client
     from unstable_dask.jobfile import load_job
     from unstable_dask.learn.trainer import Trainer
@@ -64,7 +65,7 @@ def main() -> None:
     with open_client(job.cluster) as client:
         import torch
         trainer = Trainer(job, None, torch.device("cpu"))
-        batch = make_batch(trainer.tokenizer, args.rows)
+        batch = tictactoe_batch(trainer.tokenizer, args.rows)
         tokens = sum(batch["prompt_tokens"].to_pylist()) + sum(len(c) for c in batch["completion_token_ids"].to_pylist())
         trainer.update(batch, seed=0)  # warm-up
         seed = 1
@@ -97,7 +98,7 @@ def main() -> None:
     for name, v in tok_s.items():
         print(row(name, f"{v:.0f}", f"{v / tok_s['none']:.2f}"))
     path = save(args.out, {"job": args.job, "rows": args.rows, "steps": args.steps, "tokens": tokens,
-                           "threads": torch.get_num_threads(), "phases": phases, "tok_s": tok_s})
+                           "threads": torch.get_num_threads(), "phases": phases, "tok_s": tok_s}, settings=vars(args))
     print(f"-> {path}")
 
 

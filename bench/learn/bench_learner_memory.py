@@ -9,7 +9,7 @@ updates (the first also makes the optimizer state): the updates' peak is that ma
 resident before them. The allocator keeps freed activations for reuse, so the process's memory
 stays near that peak between updates.
 
-    python bench/bench_learner_memory.py [--rows 32] [--micro 8] [--repeat 10] [--dtype auto] [--runs 2] [--name learner_memory]
+    python bench/learn/bench_learner_memory.py [--rows 32] [--micro 8] [--repeat 10] [--dtype auto] [--runs 2] [--name learner_memory]
 
 Writes bench/results/<name>.json and prints markdown rows.
 """
@@ -22,7 +22,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import row, save
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/learn/"]  # what bench/stale.py checks for changes since a result's commit
+
+from common import row, save, tictactoe_batch
 
 
 def _status_kib(field: str) -> int:
@@ -34,7 +38,6 @@ def _status_kib(field: str) -> int:
 
 def child(args: argparse.Namespace) -> None:
     import torch
-    from bench_learner_speed import make_batch
 
     from unstable_dask.jobfile import validate_job
     from unstable_dask.learn.trainer import Trainer
@@ -42,7 +45,7 @@ def child(args: argparse.Namespace) -> None:
                         "learn": {"batch_size": args.rows, "mini_batch_size": args.micro, "lr": 1e-6,
                                   "gradient_checkpointing": args.checkpointing, "dtype": args.dtype}})
     trainer = Trainer(job, None, torch.device("cpu"))
-    batch = make_batch(trainer.tokenizer, args.rows, repeat=args.repeat)
+    batch = tictactoe_batch(trainer.tokenizer, args.rows, repeat=args.repeat)
     resident = _status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     trainer.update(batch)
@@ -84,7 +87,7 @@ def main() -> None:
                update_peak_on_vs_off=med["on"]["update_peak_mib"] / med["off"]["update_peak_mib"],
                process_peak_on_vs_off=med["on"]["peak_mib"] / med["off"]["peak_mib"],
                speed_on_vs_off=med["on"]["tokens_per_s"] / med["off"]["tokens_per_s"])
-    save(args.name, res)
+    save(args.name, res, settings=vars(args))
     print(row("gradient checkpointing", "resident MiB", "update's peak above it, MiB", "process peak MiB", "tok/s"))
     for v in runs:
         m = med[v]

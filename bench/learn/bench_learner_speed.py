@@ -15,7 +15,7 @@ as 4 x (non-embedding parameters) FLOPs per token (forward, and the backward to 
 the frozen base gets no weight gradient) plus 6 x vocab x hidden per position whose logits are
 computed; the fraction is that over the peak of the dtype used.
 
-    python bench/bench_learner_speed.py [--rows 16] [--steps 2] [--model builtin:smollm2-135m-instruct]
+    python bench/learn/bench_learner_speed.py [--rows 16] [--steps 2] [--model builtin:smollm2-135m-instruct]
 
 Writes bench/results/learner_speed.json and prints markdown rows.
 """
@@ -23,32 +23,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import pyarrow as pa
 import torch
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/learn/"]  # what bench/stale.py checks for changes since a result's commit
 
 from unstable_dask.jobfile import validate_job
 from unstable_dask.learn.trainer import Trainer
 
-from common import matmul_peak, row, save
-
-
-def make_batch(tokenizer, n: int, repeat: int = 5) -> pa.Table:
-    """`n` learner rows: a chat prompt of `repeat` copies of a rules text (5: ~300 tokens, the TicTacToe
-    learning job's; 10: ~410-token prompts, ~430-token rows) and completions of 4-40 tokens."""
-    rules = ("You are playing Tic Tac Toe. Make valid moves to win. On your turn, choose a cell by "
-             "its number, e.g. [4]. The board so far:\n") * repeat
-    prompts = [f"<|im_start|>user\n{rules}Game {i}: the opponent played [{i % 9}].<|im_end|>\n<|im_start|>assistant\n"
-               for i in range(n)]
-    completions = [f"I play [{(i + 4) % 9}]" + " because it blocks the row" * (i % 9) for i in range(n)]
-    ids = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
-    return pa.table({"round": [0] * n, "game_id": [f"g{i}" for i in range(n)], "turn": [0] * n, "pid": [0] * n,
-                     "prompt": prompts, "prompt_tokens": [len(x) for x in ids(prompts)],
-                     "completion_token_ids": ids(completions), "logprobs": [None] * n,
-                     "temperature": [1.0] * n, "top_p": [1.0] * n,
-                     "advantage": [float((i % 3) - 1) for i in range(n)],
-                     "env_reward": [1.0] * n, "final_reward": [1.0] * n, "step_reward": [1.0] * n})
+from common import matmul_peak, row, save, tictactoe_batch
 
 
 def main() -> None:
@@ -66,7 +54,7 @@ def main() -> None:
     learners = {"fp32": Trainer(job("float32"), None, dev), "bf16": Trainer(job("bfloat16"), None, dev),
                 "bf16-ckpt": Trainer(job("bfloat16", checkpointing=True), None, dev)}
     before = Trainer(job("float32"), None, dev)
-    batch = make_batch(before.tokenizer, args.rows)
+    batch = tictactoe_batch(before.tokenizer, args.rows)
     tok = before.batch(batch).tokens
     adv = torch.tensor(batch.column("advantage").to_pylist())
 
@@ -109,7 +97,7 @@ def main() -> None:
                speedup_fp32=med["fp32"] / med["before"], speedup_bf16=med["bf16"] / med["before"],
                checkpointing_vs_none_bf16=med["bf16-ckpt"] / med["bf16"],
                torch_threads=torch.get_num_threads())
-    save("learner_speed", res)
+    save("learner_speed", res, settings=vars(args))
     print(row("learner", "tok/s", "vs before", "share of matmul peak"))
     for k in tps:
         print(row(k, f"{med[k]:.0f}", f"{med[k] / med['before']:.2f}", f"{frac[k]:.1%}"))

@@ -11,7 +11,7 @@ it, builds the Trainer (CPU, the job's learn settings) and times updates on a ba
 bench_learner_speed's; `before` puts the thread count torch had taken back after the Trainer is
 built, `after` keeps the Trainer's. The two run in turn (A B A B) so machine load hits both alike.
 
-    python bench/bench_learner_threads.py [--job jobs/smollm2-kuhn-single.toml] [--rows 16] [--steps 2] [--repeats 2]
+    python bench/learn/bench_learner_threads.py [--job jobs/smollm2-kuhn-single.toml] [--rows 16] [--steps 2] [--repeats 2]
 
 Writes bench/results/learner_threads.json and prints markdown rows.
 """
@@ -23,27 +23,30 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/learn/", "unstable_dask/cluster/"]  # what bench/stale.py checks for changes since a result's commit
+
 
 from common import row, save  # noqa: E402
 
 _ONE = """
 import json, sys, time
-sys.path.insert(0, {bench!r})
+sys.path[:0] = [{root!r}, {bench!r}]
 from unstable_dask.cluster.client import open_client
 from unstable_dask.jobfile import load_job
 job = load_job({job!r}, {{"learn.device": "cpu"}})
 with open_client(job.cluster):
     import torch
     taken = torch.get_num_threads()
-    from bench_learner_speed import make_batch
+    from common import tictactoe_batch
     from unstable_dask.learn.trainer import Trainer
     trainer = Trainer(job, None, torch.device("cpu"))
     if {before!r}:
         torch.set_num_threads(taken)
-    batch = make_batch(trainer.tokenizer, {rows})
+    batch = tictactoe_batch(trainer.tokenizer, {rows})
     tokens = sum(batch["prompt_tokens"].to_pylist()) + sum(len(c) for c in batch["completion_token_ids"].to_pylist())
     trainer.update(batch, seed=0)  # warm-up
     times = []
@@ -56,7 +59,7 @@ with open_client(job.cluster):
 
 
 def measure(job: str, before: bool, rows: int, steps: int) -> dict:
-    code = _ONE.format(bench=os.path.dirname(os.path.abspath(__file__)), job=job, before=before, rows=rows, steps=steps)
+    code = _ONE.format(root=str(ROOT), bench=str(ROOT / "bench"), job=job, before=before, rows=rows, steps=steps)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise SystemExit(out.stderr[-3000:])
@@ -83,7 +86,7 @@ def main() -> None:
         print(row(k, v[0]["threads"], f"{tok_s[k]:.0f}", f"{tok_s[k] / tok_s['before']:.2f}"))
     path = save("learner_threads", {"job": args.job, "rows": args.rows, "steps": args.steps,
                                     "load_average_1m": os.getloadavg()[0], "runs": runs, "tok_s": tok_s,
-                                    "after_vs_before": tok_s["after"] / tok_s["before"]})
+                                    "after_vs_before": tok_s["after"] / tok_s["before"]}, settings=vars(args))
     print(f"-> {path}")
 
 

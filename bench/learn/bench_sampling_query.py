@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -20,6 +21,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/learn/rewards.py", "unstable_dask/lake/"]  # what bench/stale.py checks for changes since a result's commit
 
 from unstable_dask.lake import Lake
 from unstable_dask.learn.algorithms.reinforce import Config as LearnConfig
@@ -143,7 +148,7 @@ def main() -> None:
                lake_build_s=build_s, state_query_s=state_s, loadavg_before=load_before, loadavg_after=os.getloadavg(),
                times=times, transforms=dict(final=cfg.final_transforms, step=cfg.step_transforms,
                                             sampling=cfg.sampling_transforms))
-    save("bench_sampling_query", res)
+    save("bench_sampling_query", res, settings=vars(args))
     print(row("sampling query (default transforms, window = latest)", "turns", "median", "min", "target"))
     print(row("from the stored EMA state (the learner's)", f"{total_turns:,}", f"{med['state']:.3f} s",
               f"{min(times['state']):.3f} s", "<= 1 s"))

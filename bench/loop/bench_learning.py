@@ -10,7 +10,7 @@ the lake with the report's query. The run lives in the job's lake, so the bench 
 stopped: run the same command again after a kill. The report of the run is
 reports/smollm2-learn/index.html.
 
-    python bench/bench_learning.py [--rounds 12] [--job jobs/smollm2-learn.toml] [--set KEY=VALUE ...]
+    python bench/loop/bench_learning.py [--rounds 12] [--job jobs/smollm2-learn.toml] [--set KEY=VALUE ...]
                                    [--name learning]
 
 Writes bench/results/<name>.json and <name>.svg; prints the markdown table.
@@ -23,14 +23,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/play/", "unstable_dask/inference/", "unstable_dask/learn/", "unstable_dask/lake/", "unstable_dask/rate/", "unstable_dask/report/", "unstable_dask/cluster/", "unstable_dask/loop.py", "unstable_dask/run.py", "unstable_dask/cli.py", "unstable_dask/jobs/smollm2-learn.toml"]  # what bench/stale.py checks for changes since a result's commit
+
 from common import RESULTS, row, save  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 OPPONENT = "random"
 
 
@@ -125,7 +126,7 @@ def main() -> None:
     path = save(args.name, {"job": os.path.relpath(args.job, ROOT), "overrides": args.set, "run": job.run.name,
                             "engines": engines,
                              "rounds": points, **targets, "this_call_s": time.perf_counter() - t0,
-                             "load_average_1m": os.getloadavg()[0], "plot": svg.name})
+                             "load_average_1m": os.getloadavg()[0], "plot": svg.name}, settings=vars(args))
     print(row("round", "checkpoint", "eval games", "invalid-move rate [95% CI]", "win rate vs random [95% CI]",
               "format", "tokens", "wall (min)"))
     print(row(*["---"] * 8))

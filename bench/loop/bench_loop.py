@@ -18,7 +18,7 @@ average) rather than cancelled. Tokens/s of a round = its completion tokens / (l
 repeats of the per-repeat ratio L / A. Per-process CPU seconds during each round (driver, worker;
 from /proc) say where the time went.
 
-    python bench/bench_loop.py [--train-games 6] [--eval-games 2] [--repeats 3]
+    python bench/loop/bench_loop.py [--train-games 6] [--eval-games 2] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/play/", "unstable_dask/inference/", "unstable_dask/learn/", "unstable_dask/lake/", "unstable_dask/cluster/", "unstable_dask/loop.py", "unstable_dask/run.py", "unstable_dask/cli.py"]  # what bench/stale.py checks for changes since a result's commit
+
 from common import row, save  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 RUN = "bench-loop"
 
 
@@ -181,7 +182,7 @@ def main() -> None:
               "ratio_per_repeat": ratios, "loop_vs_alone": ratio,
               "worker_cpu_s_per_token": cpu_per_token, "driver_cores_busy": driver, "runs": sides,
               "load_average_1m": statistics.median(f["load_1m"] for f in sides["loop"])}
-    path = save("loop", result)
+    path = save("loop", result, settings=vars(args))
     print(row("round 1 (ckpt-1), same games and seeds, played one after the other", "tok/s (median)", "ratio (median)"))
     print(row("---", "---", "---"))
     print(row("`round` alone in a fresh process (baseline)", f"{med['alone']:.1f}", "1.00"))

@@ -14,7 +14,7 @@ takes G/N + L per iteration and the overlapped loop max(G/N, L) (staleness 1: th
 while the previous round trains). Assumptions: no speed-up of G beyond the split, L constant,
 commits free. Published figures for comparison: AReaL 2.77x, verl's fully async mode 2.35-2.67x.
 
-    python bench/bench_overlap.py [--job jobs/demo.toml] [--rounds 4] [--repeats 2]
+    python bench/loop/bench_overlap.py [--job jobs/demo.toml] [--rounds 4] [--repeats 2]
 
 Writes bench/results/overlap.json and prints markdown rows.
 """
@@ -24,11 +24,16 @@ import argparse
 import atexit
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from rich.console import Console
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/play/", "unstable_dask/inference/", "unstable_dask/learn/", "unstable_dask/lake/", "unstable_dask/cluster/", "unstable_dask/loop.py", "unstable_dask/run.py", "unstable_dask/cli.py"]  # what bench/stale.py checks for changes since a result's commit
 
 from unstable_dask.jobfile import load_job
 from unstable_dask.lake import Lake
@@ -83,7 +88,7 @@ def main() -> None:
     res = dict(job=args.job, rounds=args.rounds, repeats=args.repeats, runs=runs, overlapped_vs_lock_step=ratio,
                generation_s_per_round=g, learner_s_per_iteration=learn_s, projected_speedup=projection,
                published={"AReaL": 2.77, "verl fully async": [2.35, 2.67]})
-    save("overlap", res)
+    save("overlap", res, settings=vars(args))
     print(row("loop", "rounds/h", "workers busy", "learner busy", "staleness max"))
     for k, name in ((0, "lock-step"), (1, "overlapped (max_staleness 1)")):
         rs = runs[k]

@@ -20,7 +20,7 @@ engine resident), a scaled-down version of a GPU job (default jobs/qwen3-selfpla
 
 and writes one JSON (bench/results/gpu_check.json). Without a GPU it exits 2 with one line.
 
-    python bench/gpu_check.py [--job jobs/qwen3-selfplay.toml] [--model BASE] [--backend vllm|hf]
+    python bench/loop/gpu_check.py [--job jobs/qwen3-selfplay.toml] [--model BASE] [--backend vllm|hf]
                               [--games 32] [--max-new-tokens 256]
 
 --model replaces the job's model (e.g. builtin:tiny on a machine with no model hub); --shape
@@ -41,9 +41,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/play/", "unstable_dask/inference/", "unstable_dask/learn/", "unstable_dask/lake/", "unstable_dask/cluster/", "unstable_dask/loop.py", "unstable_dask/run.py", "unstable_dask/cli.py"]  # what bench/stale.py checks for changes since a result's commit
 
 from common import row, save, turn_waves, vllm_batch  # noqa: E402
 
@@ -200,17 +204,17 @@ def main() -> None:
     try:
         if "round" in stages:
             result["round"] = _round_stage(job, load_job(args.job, over | {"run.lake": f"{tmp}/warm"}), result)
-            save(args.out, result)  # a lease that ends during the loop still leaves the round's figures
+            save(args.out, result, settings=vars(args))  # a lease that ends during the loop still leaves the round's figures
         if "loop" in stages:
             result.update(_loop_stage(load_job(args.job, over | {"run.lake": f"{tmp}/loop", "run.name": "gpu-loop"}),
                                       args.loop_rounds))
-            save(args.out, result)
+            save(args.out, result, settings=vars(args))
         if "quant" in stages:
             result["quantization"] = _quant_stage(args.job, over | {"run.lake": f"{tmp}/quant", "run.name": "gpu-quant"})
         result["ok"] = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    path = save(args.out, result)
+    path = save(args.out, result, settings=vars(args))
     print(row("figure", "value"))
     print(row("---", "---"))
     if "round" in result:

@@ -10,7 +10,7 @@ format_ok: the last closed `\\boxed{}` holds something), and completions that on
 asks the model small sums with the same instruction sentence in its own chat template, where its
 training data boxes answers: it shows the counter would see boxes where the model writes them.
 
-    python bench/bench_format_base.py [--model builtin:smollm2-135m-instruct] [--backend auto]
+    python bench/play/bench_format_base.py [--model builtin:smollm2-135m-instruct] [--backend auto]
         [--envs TicTacToe-v0-train,KuhnPoker-v0-single-train,WinningNumber-v0]
         [--templates default,qwen3-zs,chat] [--max-new-tokens 24,256] [--n 48] [--temperature 0.7]
         [--name format_base]
@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/play/", "unstable_dask/inference/"]  # what bench/stale.py checks for changes since a result's commit
+
 
 from common import row, save  # noqa: E402
 
@@ -101,7 +103,7 @@ def main() -> None:
         print(f"({max_new} new tokens: {time.time() - t0:.0f} s, the engine's start included)", flush=True)
     engine.close()  # one resident copy of the weights served every length
     path = save(args.name, {"model": args.model, "temperature": args.temperature, "n": args.n,
-                            "results": results})
+                            "results": results}, settings=vars(args))
     print(f"-> {path}")
 
 

@@ -12,7 +12,7 @@ reads the move as the round would: `\\boxed{}` extraction, then the env's own ru
 samples each observation with its two move lists (the action rules and the available actions) in
 reverse order: whether the model picks a move for what it is or for where it is listed.
 
-    python bench/bench_kuhn_base_moves.py [--model builtin:smollm2-135m-instruct] [--backend auto]
+    python bench/play/bench_kuhn_base_moves.py [--model builtin:smollm2-135m-instruct] [--backend auto]
         [--env KuhnPoker-v0-single-train] [--decisions 128] [--templates default,qwen3-zs,chat]
         [--temperatures 0.7,1.0] [--orders listed] [--name kuhn_base_moves]
 
@@ -23,14 +23,16 @@ from __future__ import annotations
 import argparse
 import collections
 import itertools
-import os
 import random
 import re
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/play/", "unstable_dask/inference/"]  # what bench/stale.py checks for changes since a result's commit
+
 
 from common import row, save  # noqa: E402
 
@@ -122,7 +124,7 @@ def main() -> None:
         print(row(order, template, t, f"{o_legal} of {sum(o.values())} / {o.get('[bet]', 0)}",
                   f"{f_legal} of {sum(f.values())} / {f.get('[fold]', 0)}", f"{time.time() - t0:.0f}"))
     path = save(args.name, {"model": args.model, "env": args.env, "decisions": args.decisions,
-                            "max_new_tokens": 24, "results": results})
+                            "max_new_tokens": 24, "results": results}, settings=vars(args))
     print(f"-> {path}")
 
 

@@ -14,7 +14,7 @@ opponent folds, and the best reply to a random player is to bet whenever it may 
 fold-J ties always-aggressive game for game (a J loses every showdown), and card-sense, which
 checks a Q or a J, gives that fold equity away and scores below legal-random.
 
-    python bench/bench_kuhn_policies.py [--games 4000] [--env KuhnPoker-v0-train] [--name kuhn_policies]
+    python bench/play/bench_kuhn_policies.py [--games 4000] [--env KuhnPoker-v0-train] [--name kuhn_policies]
 
 Writes bench/results/<name>.json (one-hand Kuhn Poker: `--env KuhnPoker-v0-single-train
 --name kuhn_policies_single`). No model is involved: this says what a learning claim
@@ -23,13 +23,15 @@ on Kuhn Poker has to beat (legal-random) and what the game allows (the best poli
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import re
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/play/"]  # what bench/stale.py checks for changes since a result's commit
+
 
 from common import row, save  # noqa: E402
 
@@ -105,7 +107,7 @@ def main() -> None:
         scores = [play(args.env, policy, g % 2, 10_000 + g) for g in range(args.games)]
         p = sum(scores) / len(scores)
         out[name] = {"win_rate": p, "games": len(scores), "stderr": (p * (1 - p) / len(scores)) ** 0.5}
-    path = save(args.name, {"env": args.env, "policies": out})
+    path = save(args.name, {"env": args.env, "policies": out}, settings=vars(args))
     print(row("policy vs random", "win rate (draws half)", "games"))
     for name, r in out.items():
         print(row(name, f"{r['win_rate']:.3f} ± {1.96 * r['stderr']:.3f}", r["games"]))

@@ -9,7 +9,7 @@ Ratios: A/B (target >= 0.9), C/B (what batching buys), D1/A (target >= 0.9), D2/
 The builtin tiny model is untrained, so games run with a large error_allowance and a turn cap:
 every game then makes `max_turns` model calls, which is the load a round puts on the engine.
 
-    python bench/bench_round.py [--games 32] [--concurrency 16] [--repeats 3]
+    python bench/play/bench_round.py [--games 32] [--concurrency 16] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -20,10 +20,14 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/play/", "unstable_dask/inference/", "unstable_dask/cluster/", "unstable_dask/lake/"]  # what bench/stale.py checks for changes since a result's commit
 
 from common import row, save  # noqa: E402
 
@@ -115,7 +119,7 @@ def main() -> None:
         "dask_1_vs_in_process": d[1] / a_tps, "dask_2_vs_in_process": d[2] / a_tps,
         "load_average_1m": os.getloadavg()[0],
     }
-    path = save("round", result)
+    path = save("round", result, settings=vars(args))
     print(row("metric", "tok/s (median)", "ratio"))
     print(row("---", "---", "---"))
     print(row("raw engine, batched generate", f"{b_tps:.0f}", "1.00 (baseline)"))

@@ -9,7 +9,7 @@
            and from close until squeue is empty; median of --slurm-repeats. Skipped when that
            SLURM is not running (start it with `make slurm-up`).
 
-    python bench/bench_workers.py [--games 24] [--repeats 3] [--slurm-repeats 3]
+    python bench/play/bench_workers.py [--games 24] [--repeats 3] [--slurm-repeats 3]
 """
 from __future__ import annotations
 
@@ -22,14 +22,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/play/", "unstable_dask/inference/", "unstable_dask/cluster/", "unstable_dask/lake/"]  # what bench/stale.py checks for changes since a result's commit
+
 from common import row, save  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLURM_DIR = os.environ.get("SLURM_LOCAL_DIR", "/tmp/unstable-dask-slurm")
 
 
@@ -95,7 +98,7 @@ def main() -> None:
     ratio = round(w2["games_per_s"] / w1["games_per_s"], 2)
     slurm = slurm_startup(args.slurm_repeats, tmp) if slurm_running() else None
     path = save("bench_workers", {"w1": w1, "w2": w2, "ratio_w2_w1": ratio,
-                                  "slurm": slurm, "load_average_at_start": round(load, 2)})
+                                  "slurm": slurm, "load_average_at_start": round(load, 2)}, settings=vars(args))
     print(row("games", "1 worker games/s", "2 workers games/s", "ratio", "SLURM 2 workers ready (s)",
               "SLURM cancel (s)", "load avg"))
     print(row("---", "---", "---", "---", "---", "---", "---"))

@@ -1,7 +1,7 @@
 """The league's cost: games played by adaptive pairing vs a full round-robin until the same
 separation (every adjacent pair of the ranking separated at league.confidence).
 
-    .venv/bin/python bench/bench_league.py [--seeds 2] [--checkpoints 4 8] [--gap 0.5]
+    .venv/bin/python bench/rate/bench_league.py [--seeds 2] [--checkpoints 4 8] [--gap 0.5]
 
 Outcomes are synthetic (tests/synthetic_lake.play_league_pass: seat 0 wins with probability
 sigmoid(s0 - s1 + 0.3), 10% draws), because the builtin tiny model's checkpoints are all equally
@@ -23,13 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/rate/", "unstable_dask/play/", "unstable_dask/lake/"]  # what bench/stale.py checks for changes since a result's commit
+
 from unstable_dask.jobfile import load_job  # noqa: E402
 from unstable_dask.lake import Lake  # noqa: E402
 
-import synthetic_lake as sl  # noqa: E402
 from common import RESULTS, row, save  # noqa: E402
+from helpers import synthetic_lake as sl  # noqa: E402
 
 
 def truth(checkpoints: int, gap: float) -> dict[str, float]:
@@ -120,7 +122,7 @@ def main() -> None:
     print(check)
     out = {"confidence": 0.95, "deals_per_pair": 2, "gap": args.gap, "fields": fields, "sequential_check": check,
            "outcomes": "synthetic (Bradley-Terry truth, seat edge 0.3, 10% draws)"}
-    print(f"wrote {save('league', out)}")
+    print(f"wrote {save('league', out, settings=vars(args))}")
     print("\n".join(lines))
 
 

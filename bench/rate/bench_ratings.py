@@ -1,6 +1,6 @@
 """Ratings replay speed: the closed-form 2-player path vs a plain `trueskill` package loop.
 
-    .venv/bin/python bench/bench_ratings.py [--games 1000000] [--sample 20000]
+    .venv/bin/python bench/rate/bench_ratings.py [--games 1000000] [--sample 20000]
 
 Writes a synthetic lake of 2-player games (100 models, 4 envs, 10 rounds), runs the rate job on it
 end to end, then times the package on the first `--sample` games (same rules: overall + env track
@@ -22,15 +22,17 @@ from pathlib import Path
 import numpy as np
 import trueskill
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/rate/", "unstable_dask/lake/", "unstable_dask/skill.py"]  # what bench/stale.py checks for changes since a result's commit
+
 from unstable_dask.jobfile import default_job  # noqa: E402
 from unstable_dask.lake import Lake  # noqa: E402
 from unstable_dask.rate import ratings, replay_state  # noqa: E402
 from unstable_dask.skill import make_env  # noqa: E402
 
-import synthetic_lake as sl  # noqa: E402
 from common import save  # noqa: E402
+from helpers import synthetic_lake as sl  # noqa: E402
 
 ENVS = ["SimpleTak-v0-train", "KuhnPoker-v0-train", "TicTacToe-v0-train", "ConnectFour-v0-train"]
 
@@ -107,7 +109,7 @@ def main() -> None:
             "cpus": os.cpu_count(), "python": platform.python_version(), "trueskill": trueskill.__version__,
             "load_avg_1m": os.getloadavg()[0],
         }
-        save("ratings", out)
+        save("ratings", out, settings=vars(args))
         print(json.dumps(out, indent=2))
         print("| ratings replay | {games:,} 2-player games, 2 tracks | rate job {rate_job_s} s (replay {replay_s} s, "
               "prepare {prepare_s} s) | trueskill loop {package_1M_extrapolated_s} s / 1M (extrapolated from "

@@ -9,16 +9,18 @@ by their intervals (the later one's interval entirely above or below the earlier
 whether the last checkpoint's interval lies above the base model's. Also the league's cost: games
 played. Writes bench/results/<name>.json and <name>.svg.
 
-    python bench/bench_league_run.py --job jobs/league-smollm2.toml [--set KEY=VALUE ...] [--name league_run]
+    python bench/report/bench_league_run.py --job jobs/league-smollm2.toml [--set KEY=VALUE ...] [--name league_run]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/rate/", "unstable_dask/play/", "unstable_dask/inference/", "unstable_dask/lake/"]  # what bench/stale.py checks for changes since a result's commit
+
 
 from common import RESULTS, row, save  # noqa: E402
 
@@ -58,7 +60,7 @@ def main() -> None:
         (RESULTS / f"{args.name}.svg").write_text(charts.svg(chart, f"League {league}: rating vs iteration"),
                                                   encoding="utf-8")
         out["plot"] = f"{args.name}.svg"
-    path = save(args.name, out)
+    path = save(args.name, out, settings=vars(args))
     print(row("rank", "entrant", "iteration", "rating [interval]", "games (W-D-L)"))
     print(row(*["---"] * 5))
     for r in rows:

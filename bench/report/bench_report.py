@@ -1,7 +1,7 @@
 """Report size and render time as a run grows, against the report before this one, and the chart
 options measured on the same page (Vega-Lite with its bundle vs static SVG from matplotlib).
 
-    .venv/bin/python bench/bench_report.py [--rounds 20 50 200] [--baseline c041073] [--lakes DIR]
+    .venv/bin/python bench/report/bench_report.py [--rounds 20 50 200] [--baseline c041073] [--lakes DIR]
 
 Per size: a synthetic run (tests/synthetic_lake.make_run: a checkpoint per round that plays its
 predecessors, eval games vs random, single-player and 3-player games, 30 games a round, 8 of them
@@ -31,9 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/report/", "unstable_dask/lake/"]  # what bench/stale.py checks for changes since a result's commit
+
 from common import row, save  # noqa: E402
 
 RUN = "syn"
@@ -60,7 +61,7 @@ def lake_for(rounds: int, where: Path) -> Path:
     from unstable_dask.jobfile import default_job
     from unstable_dask.rate import ratings
 
-    import synthetic_lake as sl
+    from helpers import synthetic_lake as sl
     shutil.rmtree(lake.parent, ignore_errors=True)
     t0 = time.perf_counter()
     sl.make_run(lake, RUN, rounds=rounds, games_per_round=30, seed=5)
@@ -241,7 +242,7 @@ def main() -> None:
             out.append(res)
             print(json.dumps(res), flush=True)
         save("report", {"baseline": args.baseline, "runs": out, "load_avg_1m": os.getloadavg()[0],
-                        "note": "one process per render; times on a shared 2-core machine are valid as ratios within a row"})
+                        "note": "one process per render; times on a shared 2-core machine are valid as ratios within a row"}, settings=vars(args))
         for r in out:
             o = r["options"]
             print(row(r["rounds"], r["models"], f"{r['bytes'] / 1e6:.2f} MB", f"{r['baseline_bytes'] / 1e6:.2f} MB",

@@ -21,7 +21,7 @@ the run's checkpoints (a self-play run's verdict) adds its Spearman correlation 
 rating and the last checkpoint's and base model's ratings with intervals. Nothing is typed by hand:
 run it again on the same lakes and the file is the same.
 
-    python bench/bench_strategy.py --lake lake [--lake other-lake ...] [--runs NAME ...] [--keep]
+    python bench/report/bench_strategy.py --lake lake [--lake other-lake ...] [--runs NAME ...] [--keep]
 
 Writes bench/results/strategy.json and prints one markdown row per run (its last round).
 """
@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
+MEASURES = ["unstable_dask/report/", "unstable_dask/lake/", "unstable_dask/play/"]  # what bench/stale.py checks for changes since a result's commit
+
 
 from common import RESULTS, row, save  # noqa: E402
 
@@ -153,7 +155,7 @@ def main() -> None:
         new = {r["run"] for r in runs}
         kept = [r for r in json.loads((RESULTS / "strategy.json").read_text())["runs"] if r["run"] not in new]
         runs = kept + runs
-    save("strategy", {"runs": runs})
+    save("strategy", {"runs": runs}, settings=vars(args))
     if args.compare:
         compare(runs, args.compare)
     print(row("run", "seed", "algorithm", "minutes: wall (playing + updating)", "round", "eval win rate [95% CI]", "legal-random [95% CI]",
