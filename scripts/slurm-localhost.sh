@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real single-node SLURM on localhost, for tests/test_slurm.py and bench/bench_workers.py.
+# A real single-node SLURM on localhost, for tests/test_slurm.py and bench/play/bench_workers.py.
 #
 #   scripts/slurm-localhost.sh start    install (Debian packages) if missing, configure, start
 #   scripts/slurm-localhost.sh status   daemons, node state and queue; exit 0 only when up

@@ -21,7 +21,8 @@ FLOORS = [
     ("learn", ["unstable_dask.learn"]),
     ("rate", ["unstable_dask.rate"]),
     ("report", ["unstable_dask.report"]),
-    ("top", ["unstable_dask.jobfile", "unstable_dask.loop", "unstable_dask.cli", "unstable_dask.run"]),
+    ("top", ["unstable_dask.jobfile", "unstable_dask.jobkeys", "unstable_dask.loop", "unstable_dask.cli",
+             "unstable_dask.run"]),
 ]
 
 

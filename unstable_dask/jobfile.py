@@ -5,14 +5,16 @@ either loads whole or fails at once with one line naming the file, the key and t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import tomllib
 from pydantic import ValidationError
 
-from unstable_dask.config import Job, covers, entrant_spec, reserved_uid
+from unstable_dask.config import Job, covers, entrant_spec, expert_parts, reserved_uid
 from unstable_dask.errors import JobError
-from unstable_dask.learn import algorithms
+from unstable_dask.learn import algorithms, distributed
+from unstable_dask.play.experts import SOLVES, solves
+from unstable_dask.play.league import league_games
 from unstable_dask.play.prompts import TEMPLATE_NAMES
 
 
@@ -33,7 +35,7 @@ def _format_error(source: str, err: ValidationError, prefix: tuple = (), algorit
             if owners:
                 return (f"{source}: key '{key}' is a setting of {' and '.join(owners)}, and learn.algorithm "
                         f"{algorithm!r} has no such setting (remove it, or choose one of those algorithms)")
-        return f"{source}: unknown key '{key}' (check the spelling; see README 'Job files' for the keys)"
+        return f"{source}: unknown key '{key}' (check the spelling; docs/job-keys.md lists every key)"
     if e["type"] == "missing":
         return f"{source}: missing required key '{key}'"
     value = e.get("input")
@@ -72,6 +74,7 @@ def validate_job(raw: dict, source: str = "<default>") -> Job:
     _check_opponents(job)
     _check_league(job)
     _check_algorithm(job)
+    distributed.check_job(job)  # learn.devices within the cluster's workers, where the job says how many
     check_learn_sql(job)
     return job
 
@@ -95,6 +98,35 @@ def _check_opponents(job: Job) -> None:
     for key, name in job.named_opponents():
         if not (reserved_uid(name) or name in job.endpoints or (Path(name) / "adapter_config.json").is_file()):
             raise JobError(job.opponent_error(key, name))
+    for key, name in job.named_opponents():
+        _check_expert(job, key, name, _envs_seating(job, key))
+    for i, name in enumerate(job.round.eval_baseline):  # it replays every eval game in the learner's seats
+        _check_expert(job, f"round.eval_baseline[{i}]", name, [e.env_id for e in job.round.eval_envs])
+
+
+def _envs_seating(job: Job, key: str) -> list[str]:
+    """The env ids an opponent named at `key` (of Job.named_opponents) may be seated in."""
+    r = job.round
+    if key.startswith("round.opponents.fixed"):  # eval envs without their own list; train ones too when drawn from
+        drawn = r.opponents.strategy in ("fixed", "match-quality")
+        return [e.env_id for e in r.eval_envs if not e.opponents] + \
+            [e.env_id for e in r.train_envs if drawn and not e.opponents]
+    split, i = key.split("_envs[")[0].removeprefix("round."), int(key.split("_envs[")[1].split("]")[0])
+    return [getattr(r, f"{split}_envs")[i].env_id]
+
+
+def _check_expert(job: Job, key: str, name: str, env_ids: list[str]) -> None:
+    """An expert agent's eps is in [0, 1], and it has a solver for every game it would play."""
+    try:
+        parts = expert_parts(name)
+    except ValueError as err:
+        raise JobError(f"{job.source}: key '{key}' has value {err}") from None
+    if parts is None:
+        return
+    wrong = [e for e in env_ids if not solves(parts[0], e)]
+    if wrong:
+        raise JobError(f"{job.source}: key '{key}' names {name!r}: {parts[0]} has a solver for "
+                       f"{' and '.join(SOLVES[parts[0]])} only, and would play {wrong[0]}")
 
 
 def _check_league(job: Job) -> None:
@@ -111,6 +143,9 @@ def _check_league(job: Job) -> None:
             raise JobError(f"{src}: key 'league.entrants[{i}]' names entrant {text!r}: expected 'random', 'base', "
                            f"'base:<model>', '<run>:ckpt-<k>', '<run>:*', '<run>:every-<k>', an endpoint of "
                            f"[endpoints] ({declared}), or a LoRA adapter directory")
+    experts = [(i, text) for i, (text, spec) in enumerate(zip(cfg.entrants, specs)) if spec.kind == "expert"]
+    for i, text in experts:
+        _check_expert(job, f"league.entrants[{i}]", text, [g.env_id for g in league_games(job)])
     named = [("league.anchor", cfg.anchor)] + [(f"league.first_pass[{i}]", f) for i, f in enumerate(cfg.first_pass)]
     for key, text in named:
         if not covers(specs, entrant_spec(text), job.run.name, job.model.base):
@@ -134,7 +169,7 @@ def _check_algorithm(job: Job) -> None:
         raise JobError(f"{job.source}: key 'learn.max_train_len' has value {learn.max_train_len}: it must hold a whole "
                        f"completion (model.max_new_tokens = {job.model.max_new_tokens}) and a prompt token, or the "
                        "learner trains on cut completions (at 1: on nothing)")
-    if isinstance(learn.window, int) and learn.window - 1 > learn.max_staleness:
+    if isinstance(learn.window, int) and learn.window - 1 > learn.max_staleness and spec.rows == "played":
         raise JobError(f"{job.source}: key 'learn.window' has value {learn.window}: its oldest round can be "
                        f"{learn.window - 1} learner iterations old, more than learn.max_staleness = "
                        f"{learn.max_staleness}; raise learn.max_staleness or shrink the window")
@@ -146,11 +181,14 @@ def check_learn_sql(job: Job) -> None:
     when the job is loaded, with no lake present, not after a round was played."""
     # Imported here: these modules import this one.
     from unstable_dask.lake.read import connect_empty
-    from unstable_dask.learn.learner import Plan, build_query
+    from unstable_dask.learn.learner import build_query
+    from unstable_dask.learn.plan import Plan
     from unstable_dask.learn.rewards import batch_query, run_batch_query
     from unstable_dask.learn.transforms import STAGES, parse_transform
 
     cfg, run_name = job.learn, job.run.name
+    if algorithms.spec(cfg.algorithm).rows == "selected":
+        return _check_select(job)
     texts = {"final": cfg.final_transforms, "step": cfg.step_transforms, "sampling": cfg.sampling_transforms}
 
     def error(stage: str, i: int, e: JobError) -> JobError:
@@ -187,6 +225,24 @@ def check_learn_sql(job: Job) -> None:
         con.close()
 
 
+def _check_select(job: Job) -> None:
+    """The SELECT of an algorithm of selected rows (SFT), run on the lake's typed, empty tables."""
+    from unstable_dask.lake.read import connect_empty
+    from unstable_dask.learn.learner import build_query, run_batch
+    from unstable_dask.learn.plan import Plan
+    from unstable_dask.learn.selection import check_select
+    select = cast(Any, job.learn).select
+    con = connect_empty()
+    try:
+        check_select(con, select)
+        run_batch(con, job, build_query(job, Plan(job.run.name, 1, "ckpt-1", "base", None, [0]), 0, con))
+    except JobError as e:
+        why = str(e).split(": ", 1)[-1]  # drop the message's own key prefix
+        raise JobError(f"{job.source}: key 'learn.select' has value {select!r}: {why}") from None
+    finally:
+        con.close()
+
+
 def load_job(path: Union[str, Path, None] = None, overrides: Optional[dict] = None) -> Job:
     """Read and validate a job file; no path means the embedded default job.
 
@@ -194,7 +250,7 @@ def load_job(path: Union[str, Path, None] = None, overrides: Optional[dict] = No
     the copy inside the installed package, so the README's commands work outside a checkout too.
     """
     # The embedded default is the demo, on the hf engine: vLLM's start (25-50 s) would make its
-    # 11 s round several times longer (README, "Which engine").
+    # 11 s round several times longer (docs/engines.md).
     raw: dict = {"model": {"backend": "hf"}}
     source = "<default>"
     if path is not None:

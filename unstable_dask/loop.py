@@ -26,7 +26,7 @@ from unstable_dask.learn.guards import check_quantization
 from unstable_dask.learn.learner import LearnResult, learn, plan, resolve_device
 from unstable_dask.rate import ratings
 from unstable_dask.rate.league import LeagueRatings, rate_league
-from unstable_dask.report import report, trackers
+from unstable_dask.report import report, strength, trackers
 
 
 def _rate_and_report(job: Job, console: Console) -> None:
@@ -59,25 +59,55 @@ def _track(job: Job, console: Console) -> None:
 
 
 def round_summary(job: Job, round_: int) -> list[str]:
-    """What round `round_` says about learning: per split and opponent of the checkpoint that
-    played it, win rate and invalid-move rate with their Wilson 95% intervals (the report's query)."""
+    """What round `round_` says about learning: per split, player and opponent (the checkpoint that
+    played it; in split baseline each agent of round.eval_baseline on the same eval games), win rate
+    (draws half) and invalid-move rate with their Wilson 95% intervals (the report's query), and the
+    share of drawn games; then, per eval opponent, the score of the learner and of each baseline agent
+    pooled over the latest round.pool_rounds rounds, and the probes (report/strength.py) of this round
+    and pooled."""
     con = Lake(job.run.lake).connect()
     try:
-        rows = report.round_curves(con, job.run.name, round_)
+        curves = report.round_curves(con, job.run.name)
+        counts = strength.probe_counts(con, job.run.name)
     finally:
         con.close()
     lines = []
-    for r in rows:
+    for r in (r for r in curves if r["round"] == round_):
         if r["opponent"] == "*":  # the sum of the split's opponent rows
             continue
         win = ("" if r["opponent"] == "self" else  # mirror self-play: 0.5 by construction
-               f"win rate {r['win_rate']:.2f} [{r['win_rate_low']:.2f}, {r['win_rate_high']:.2f}], ")
+               f"win rate {r['win_rate']:.2f} [{r['win_rate_low']:.2f}, {r['win_rate_high']:.2f}], "
+               # a perfect TicTacToe player draws every game against minimax: its win rate stays at 0.5
+               + ("" if r["opponent"] == "solo" else f"draws {r['draws'] / (r['wins'] + r['draws'] + r['losses']):.2f}, "))
         invalid = ("" if r["invalid_rate"] is None else
                    f"invalid moves {r['invalid_rate']:.2f} [{r['invalid_rate_low']:.2f}, {r['invalid_rate_high']:.2f}]"
                    f" of {r['turns']} turns, format {r['format_success']:.2f} [{r['format_success_low']:.2f}, "
                    f"{r['format_success_high']:.2f}], {r['mean_completion_tokens']:.1f} tokens")
-        lines.append(f"  {r['split']} vs {r['opponent']} ({r['games']} games): {win}{invalid}".rstrip(", "))
+        who = f"{r['split']} {r['player']}" if r["split"] == "baseline" else r["split"]
+        lines.append(f"  {who} vs {r['opponent']} ({r['games']} games): {win}{invalid}".rstrip(", "))
+    window = strength.pool_window(curves, round_, job.round.pool_rounds)
+    if round_ not in window:
+        return lines
+    pooled = strength.pooled(curves, window)
+    for ev in (p for p in pooled if p["split"] == "eval" and p["opponent"] not in ("self", "solo")):
+        beside = [f"{b['player']} {_score(b)}" for b in pooled if b["split"] == "baseline" and b["opponent"] == ev["opponent"]]
+        lines.append(f"  eval vs {ev['opponent']} pooled over {strength.span(window)}: score {_score(ev)}"
+                     + "".join(f"; {b}" for b in beside))
+    now, pool = strength.probe_rows(counts, [round_]), strength.probe_rows(counts, window)
+    for probe in strength.PROBES:
+        parts = []
+        for p in (p for p in pool if p["probe"] == probe):
+            cur = next((c for c in now if (c["split"], c["player"], c["probe"]) == (p["split"], p["player"], probe)), None)
+            parts.append(f"{p['player']} " + (f"{cur['rate']:.2f} of {cur['decisions']}, " if cur else "")
+                         + f"pooled {p['rate']:.2f} [{p['low']:.2f}, {p['high']:.2f}] of {p['decisions']}")
+        if parts:
+            lines.append(f"  {probe} (round {round_}; pooled over {strength.span(window)}): " + "; ".join(parts))
     return lines
+
+
+def _score(p: dict) -> str:
+    draws = f", draws {p['draw_rate']:.2f}" if p["draws"] else ""
+    return f"{p['score']:.2f} [{p['low']:.2f}, {p['high']:.2f}] ({p['games']} games{draws})"
 
 
 def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = True) -> list:

@@ -9,7 +9,7 @@ on the same files: the merge as `write_merged` did it up to commit 190f288 (ever
 each weights file loaded whole, its adapted weights replaced, the file saved whole). The adapter has
 the jobs' LoRA shape (rank 32 on q, k, v, o, gate, up, down).
 
-    python bench/inference/bench_merge_memory.py [--models builtin:smollm2-135m-instruct,builtin:qwen2.5-coder-0.5b-instruct]
+    python bench/inference/bench_merge_memory.py [--models builtin:smollm2-135m-instruct,models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf]
         [--dtypes float32,bfloat16]
 
 Writes bench/results/merge_memory.json.
@@ -89,7 +89,7 @@ def measure(how: str, base: str, adapter: str, dtype: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="builtin:smollm2-135m-instruct,builtin:qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--models", default="builtin:smollm2-135m-instruct")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="the engine's dtype: the merged weights'")
     args = ap.parse_args()
 

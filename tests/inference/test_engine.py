@@ -511,3 +511,34 @@ def test_auto_backend_picks_vllm_where_it_runs(monkeypatch):
     assert pick_backend("auto") == "hf"  # the CUDA build without a GPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert pick_backend("auto") == "vllm"  # ... with one
+
+
+def test_vllm_requests_carry_the_stop_strings(cache, monkeypatch):
+    """model.stop reaches vLLM as its `stop`, the string kept in the output (the action stays whole)
+    and detokenizing on (vLLM matches stop strings in its own text); a request it stopped is not
+    truncated. Without stop strings vLLM need not decode."""
+    seen = []
+
+    class AsyncLLM:
+        @classmethod
+        def from_engine_args(cls, args):
+            return cls()
+
+        async def generate(self, prompt, params, request_id, lora_request=None):
+            seen.append(params)
+            c = SimpleNamespace(token_ids=[5, 6], finish_reason="stop", logprobs=None)
+            yield SimpleNamespace(outputs=[c], finished=True)
+
+        def shutdown(self):
+            pass
+
+    install_stand_in_vllm(monkeypatch, AsyncLLM)
+    eng = get_engine(GREEDY.model_copy(update={"backend": "vllm", "stop": ["]", "}"]}))
+    [g] = eng.generate(["a"])
+    assert seen[-1].stop == ["]", "}"] and seen[-1].include_stop_str_in_output and seen[-1].detokenize
+    assert g.token_ids == [5, 6] and not g.truncated
+    plain = get_engine(GREEDY.model_copy(update={"backend": "vllm"}))
+    plain.generate(["a"])
+    assert not hasattr(seen[-1], "stop") and seen[-1].detokenize is False
+    eng.close()
+    plain.close()

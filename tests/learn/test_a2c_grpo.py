@@ -11,11 +11,11 @@ import pyarrow as pa
 import pytest
 import torch
 
+from unstable_dask.learn import passes
 from unstable_dask.learn.algorithms import a2c
 from unstable_dask.learn.algorithms.a2c import gae, turn_rewards
 from unstable_dask.learn.algorithms.grpo import Config as GRPOConfig
 from unstable_dask.learn.algorithms.grpo import update
-from unstable_dask.learn import passes
 from unstable_dask.learn.passes import Mismatch
 from unstable_dask.learn.rewards import transform_values
 from unstable_dask.learn.tokens import behaviour_logprobs

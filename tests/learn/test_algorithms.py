@@ -22,7 +22,8 @@ def test_every_algorithm_file_declares_spec_config_update_and_math(name):
     job = load_job(None, {"learn.algorithm": name, "round.group_size": 2, "round.train_games": 16})
     args = job.learn
     assert isinstance(args, mod.Config) and args.algorithm == name
-    assert args.max_generation_len == job.model.max_new_tokens and args.mini_batch_size == job.learn.mini_batch_size
+    # sft has no "constant" normalization, so no max_generation_len
+    assert getattr(args, "max_generation_len", job.model.max_new_tokens) == job.model.max_new_tokens and args.mini_batch_size == job.learn.mini_batch_size
 
 
 def test_loading_a_job_does_not_import_torch():
@@ -55,7 +56,7 @@ def test_default_transforms_are_the_algorithm_s_and_listed_ones_are_kept():
     ({"learn.gspo_clip_low": 0.1}, "key 'learn.gspo_clip_low' is a setting of gspo, and learn.algorithm 'reinforce'"),
     ({"learn.algorithm": "grpo", "round.group_size": 2, "learn.ppo_mini_batch_size": 64},
      "key 'learn.ppo_mini_batch_size' has value 64: it must lie between learn.mini_batch_size (8) and learn.batch_size (32)"),
-    ({"learn.algorithm": "ppo"}, "unknown algorithm 'ppo'; expected one of reinforce, a2c, grpo, gspo"),
+    ({"learn.algorithm": "ppo"}, "unknown algorithm 'ppo'; expected one of reinforce, a2c, grpo, gspo, sft"),
 ])
 def test_what_an_algorithm_needs_is_checked_at_load(over, message):
     with pytest.raises(JobError) as e:

@@ -195,3 +195,49 @@ def test_settings_changed_after_the_first_checkpoint_apply_or_are_refused(tmp_pa
     assert r.steps[0]["lr"] == 3e-3
     lrs = Lake(lake).sql("SELECT iteration, lr FROM learner_steps ORDER BY iteration").to_pylist()
     assert [(x["iteration"], x["lr"]) for x in lrs] == [(1, 1e-3), (2, 3e-3)]
+
+
+def test_an_algorithm_s_own_metric_reaches_the_lake_without_a_schema_edit(tmp_path, monkeypatch):
+    """A metric no learner_steps column names lands in the `metrics` map (SQL: metrics['name']);
+    one that cannot be stored (not a number) stops the job before any adapter is written."""
+    from unstable_dask.learn.algorithms import reinforce
+    lake = make_lake(tmp_path / "lake", rounds=1, games=12)
+    real = reinforce.update
+    monkeypatch.setattr(reinforce, "update", lambda *a: real(*a) | {"rank": "first"})
+    with pytest.raises(TypeError, match="rank"):
+        learn(job_for(lake))
+    assert not Lake(lake).table("checkpoints").files() and not (lake / "adapters").exists()
+    monkeypatch.setattr(reinforce, "update", lambda *a: real(*a) | {"surprise": 0.25})
+    (step,) = learn(job_for(lake)).steps
+    row = Lake(lake).sql("SELECT loss, metrics['surprise'] AS surprise FROM learner_steps").to_pylist()
+    assert row == [{"loss": step["loss"], "surprise": 0.25}]
+
+
+def test_a_critic_with_non_finite_weights_is_never_committed():
+    """A2C: the critic's update is checked like the policy's."""
+    from types import SimpleNamespace
+
+    from unstable_dask.learn.guards import check_finite_update
+    from unstable_dask.learn.plan import Plan
+    critic = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        critic.weight[0, 1] = float("nan")
+    trainer = SimpleNamespace(policy=torch.nn.Linear(2, 2), critic=critic)
+    with pytest.raises(JobError, match=r"the update of ckpt-1 of run 't' gave non-finite weights \(critic.weight"):
+        check_finite_update(job_for("unused"), Plan(RUN, 1, "ckpt-1", "base", None, [0]),
+                            {"loss": 0.5, "grad_norm": 1.0}, trainer)
+
+
+def test_rows_played_as_the_base_model_must_have_been_served_without_an_adapter():
+    """The served-weights check covers rows of `base` too: an adapter's digest on them is an error."""
+    import pyarrow as pa
+
+    from unstable_dask.learn.guards import served_weights
+    from unstable_dask.learn.plan import Plan
+    p = Plan(RUN, 1, "ckpt-1", "base", None, [0], lineage={"base": (0, None)})
+    rows = dict(round=[0, 0], game_id=["g", "g"], turn=[0, 2], model_uid=["base", "base"])
+    job = job_for("unused")
+    assert served_weights(job, p, pa.table(rows | {"adapter_sha256": [None, None]}))["staleness_max"] == 0
+    with pytest.raises(JobError, match=r"turn 2 of game g \(round 0\) of run 't' was played by adapter weights "
+                                       r"0123456789ab, but its checkpoint is 'base'"):
+        served_weights(job, p, pa.table(rows | {"adapter_sha256": [None, "0123456789abcdef"]}))

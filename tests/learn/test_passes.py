@@ -206,7 +206,8 @@ def test_the_gap_guard_judges_only_rows_of_the_weights_the_learner_holds(lake_di
                                         table.schema.field("logprobs").type))
     fresh = lambda: Trainer(job, None, torch.device("cpu"))  # noqa: E731 - each update moves its trainer
     (uid,) = set(table.column("model_uid").to_pylist())
-    with pytest.raises(JobError, match="max_logp_gap: the engine's log-probs differ from the learner's by 1"):
+    with pytest.raises(JobError, match=f"max_logp_gap: the engine's log-probs differ from the learner's by 1.* on the "
+                                       f"rows {uid} played"):  # the checkpoint named
         fresh().update(shifted, 0, guard_uid=uid)
     assert fresh().update(shifted, 0, guard_uid="ckpt-7")["logp_gap_mean"] == pytest.approx(1.0, abs=1e-3)
     assert fresh().update(shifted, 0)["logp_gap_mean"] == pytest.approx(1.0, abs=1e-3)  # recorded, not judged

@@ -260,3 +260,35 @@ def test_sql_that_fails_at_run_time_or_drops_columns_is_a_job_error(lake):
                  "SELECT * FROM read_csv('/etc/passwd')"]:
         with pytest.raises(JobError):
             run_batch_query(con, batch_query(RUN, rounds, 10, 0, [], [parse_transform(text, "step", con)], []))
+
+
+@pytest.mark.parametrize("turns", [9, 11, 18, 20, 21])
+def test_a_group_of_one_attempt_has_no_baseline_whatever_its_length(turns):
+    """One attempt of 9, 11, 18, 20 or 21 turns: its weights 1/turns sum to 1.0000000000000002 in
+    floats, but it is one game, so every advantage is exactly 0 (no baseline), in every scale."""
+    con = duckdb.connect()
+    con.register("b", pa.table({"group_id": ["x"] * turns, "pid": [0] * turns, "round": [0] * turns,
+                                "game_id": ["a"] * turns, "turn": list(range(turns)), "reward": [1.0] * turns}))
+    assert sum([1 / turns] * turns) > 1  # the float sum the count must not be
+    for scale in ("group", "batch", "none"):
+        got = con.sql(f"SELECT reward FROM ({GroupRelativeAdvantage(scale=scale).sql('b')})").fetchall()
+        assert [r for (r,) in got] == [0.0] * turns, scale
+
+
+def test_a_group_whose_attempts_scored_alike_is_dropped_despite_rounding():
+    """Three attempts all scoring 0.1: GroupRelativeAdvantage gives about -1.4e-9, not 0 (float
+    rounding of the mean), and the learner still drops the group as silent; a group whose rewards
+    differ keeps every row."""
+    from unstable_dask.learn.trainer import drop_silent_groups
+    con = duckdb.connect()
+    rewards = [0.1, 0.1, 0.1, 0.1, 0.2, 0.1]
+    con.register("b", pa.table({"group_id": ["x"] * 3 + ["y"] * 3, "pid": [0] * 6, "round": [0] * 6,
+                                "game_id": ["a", "b", "c", "d", "e", "f"], "turn": list(range(6)),
+                                "reward": rewards, "step_reward": rewards}))  # as the batch query hands them on
+    batch = con.sql(f"SELECT * FROM ({GroupRelativeAdvantage().sql('b')}) ORDER BY turn")
+    table = batch.to_arrow_table().rename_columns(
+        [c if c != "reward" else "advantage" for c in batch.columns])
+    silent = table.column("advantage").to_pylist()[:3]
+    assert all(a != 0.0 and abs(a) < 1e-8 for a in silent)  # rounding, not signal
+    kept, m = drop_silent_groups(table)
+    assert kept.column("group_id").to_pylist() == ["y"] * 3 and m == {"zero_std_group_frac": 0.5, "rows_dropped": 3}

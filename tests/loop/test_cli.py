@@ -87,14 +87,14 @@ def test_an_unreachable_object_store_is_one_line(tmp_path, capsys, monkeypatch):
                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{_closed_port()}", AWS_ALLOW_HTTP="true",
                      AWS_EC2_METADATA_DISABLED="true").items():
         monkeypatch.setenv(k, v)
-    storage._remote_fs.cache_clear()
+    storage.forget_remote_filesystems()
     try:
         assert main(["sql", "SELECT count(*) FROM games", "--lake", "s3://lake/x"]) == 2
         one_line(capsys, "storage error", "onnect")  # connect / Connection refused
         assert main(["round", "--set", 'run.lake="s3://lake/x"', "--set", "cluster.dashboard=false"]) == 2
         one_line(capsys, "storage error")
     finally:
-        storage._remote_fs.cache_clear()
+        storage.forget_remote_filesystems()
 
 
 def _cli(args, **kw):
@@ -189,3 +189,18 @@ def test_a_damaged_adapter_is_one_line(tmp_path_factory, cache):
     (Path(adapter.path) / "adapter_config.json").write_text("{ not json")
     with pytest.raises(JobError, match="is damaged or incomplete"):
         engine.generate(["hello"], adapter=type(adapter)("ckpt-8", adapter.path))
+
+
+def test_a_table_written_to_a_pipe_keeps_its_headers_whole(lake):
+    """`make demo`'s summary in a log or a pipe: rich folded tables at 80 columns there, splitting
+    their own headers (`model_u` / `id`); now a table keeps its natural width and a line its length."""
+    cols = ", ".join(f"count(*) AS games_counted_{i}" for i in range(6))
+    p = _cli(["sql", f"SELECT split, {cols} FROM games GROUP BY split ORDER BY split", "--lake", str(lake)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    header = next(line for line in p.stdout.splitlines() if "split" in line)
+    assert all(f"games_counted_{i}" in header for i in range(6)), p.stdout
+    assert len(header) > 80
+    p = _cli(["compact", "--lake", str(lake), "--run", "syn"])  # a line naming the lake's path, past 80 columns
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(line for line in p.stdout.splitlines() if line.startswith("lake: "))
+    assert len(line) > 80 and line.endswith("`run vacuum`)"), p.stdout

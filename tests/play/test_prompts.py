@@ -72,7 +72,8 @@ def test_our_variants_keep_their_own_names():
     assert render_prompt("qwen3-zs-think", "OBS") == UB_TEXT["qwen3-zs"] + "<think>"
     assert render_prompt("llama3-instruct-zs", "OBS") == (
         UB_TEXT["llama-instruct-zs"].replace("<|eot_id|>\n<|start", "<|eot_id|><|start") + "\n\n")
-    assert set(TEMPLATES) == set(UB_TEXT) | {"plain-zs", "qwen3-zs-think", "llama3-instruct-zs", "chat"}
+    assert set(TEMPLATES) == set(UB_TEXT) | {"plain-zs", "qwen3-zs-think", "llama3-instruct-zs", "chat",
+                                             "plain-move-only", "chat-move-only"}
 
 
 def test_reasoning_template_opens_think_and_chat_uses_tokenizer():
@@ -80,6 +81,31 @@ def test_reasoning_template_opens_think_and_chat_uses_tokenizer():
     seen = []
     out = render_prompt("chat", "OBS", chat_prompt=lambda text: seen.append(text) or f"<chat>{text}</chat>")
     assert out.startswith("<chat>") and seen == [render_prompt("plain-zs", "OBS")]
+
+
+def test_move_only_templates_ask_for_the_move_alone():
+    """plain-move-only: the plain-zs wording asking for the bare move, no reasoning, no box; the env reads
+    the first [...] of the answer. chat-move-only wraps it in the tokenizer's chat template."""
+    plain = render_prompt("plain-move-only", "OBS")
+    assert plain == ("You are playing a two-player zero-sum game. Make valid actions to win.\nObservation: OBS\n"
+                     "Answer with your move only: one of your available moves, with its square brackets, and nothing else.")
+    assert "step by step" not in plain and "boxed" not in plain
+    seen = []
+    out = render_prompt("chat-move-only", "OBS", chat_prompt=lambda text: seen.append(text) or f"<chat>{text}</chat>")
+    assert seen == [plain] and out == f"<chat>{plain}</chat>"
+    with pytest.raises(ValueError, match="'chat-move-only' needs the engine's chat_prompt"):
+        render_prompt("chat-move-only", "OBS")
+    # a move-only answer is sent to the env as written (no box to extract)
+    assert extract_action("[4]") == ("[4]", False)
+
+
+def test_a_job_may_name_the_move_only_templates(tmp_path):
+    from unstable_dask.jobfile import load_job
+    for name in ("chat-move-only", "plain-move-only"):
+        path = tmp_path / f"{name}.toml"
+        path.write_text(f'[model]\ntemplate = "{name}"\nstop = ["]"]\n')
+        job = load_job(str(path))
+        assert job.model.template == name and job.model.stop == ["]"]
 
 
 def _ub_extract(completion: str) -> tuple[str, bool]:

@@ -41,7 +41,7 @@ def test_recovers_known_strengths() -> None:
 
 def test_mle_is_the_penalised_optimum() -> None:
     pairs = synthetic_pairs({"a": 0.0, "b": 1.0, "c": -0.5, "d": 2.0}, 400, seed=2)
-    models, cells = bt._cells(pairs)
+    models, cells = bt.outcome_cells(pairs)
     i, j = cells[:, 0], cells[:, 1]
     s, n = cells[:, 2] + 0.5 * cells[:, 3], cells[:, 2:].sum(axis=1)
 

@@ -190,8 +190,9 @@ def test_learning_curves_show_the_lakes_numbers(tmp_path: Path, local_client) ->
         rate = sum(1.0 if s["reward"] > s["other"] else 0.5 if s["reward"] == s["other"] else 0.0 for s in mine) / len(mine)
         lo, hi = _wilson(rate, len(mine))
         tips[("vs random", r)] = (rate, lo, hi)
+        draws = sum(s["reward"] == s["other"] for s in mine) / len(mine)
         # `loop` prints the same figures after each round
-        assert f"eval vs random (24 games): win rate {rate:.2f} [{lo:.2f}, {hi:.2f}], invalid moves" in \
+        assert f"eval vs random (24 games): win rate {rate:.2f} [{lo:.2f}, {hi:.2f}], draws {draws:.2f}, invalid moves" in \
             "\n".join(round_summary(job, r))
         ev = [t["invalid_move"] for t in turns if t["round"] == r and t["split"] == "eval"]
         inv = sum(ev) / len(ev)

@@ -50,7 +50,7 @@ def worker_config(cfg: Optional[ClusterConfig] = None) -> dict[str, Any]:
     # Dask sets MALLOC_TRIM_THRESHOLD_ so freed memory returns to the OS at once. Any explicit
     # value also switches off glibc's dynamic mmap threshold, so every large tensor torch frees
     # is unmapped and page-faulted in again: generate ran 20-35% slower in a worker than in a
-    # plain process here (bench/bench_round.py). Engine workers keep their memory anyway.
+    # plain process here (bench/play/bench_round.py). Engine workers keep their memory anyway.
     env.pop("MALLOC_TRIM_THRESHOLD_", None)
     if cfg.kind == "local":
         # Dask pins every worker to 1 BLAS/OpenMP thread; local CPU workers split the cores

@@ -19,6 +19,7 @@ from pydantic import Field, SerializeAsAny, field_validator
 from unstable_dask.config.base import (
     BASE_UID,
     CHECKPOINT_UID,
+    EXPERT_UIDS,
     LEGAL_RANDOM_UID,
     MAX_BOOTSTRAP,
     MAX_EPOCHS,
@@ -33,6 +34,7 @@ from unstable_dask.config.base import (
     NAME,
     RANDOM_UID,
     Strict,
+    expert_parts,
     reserved_uid,
 )
 from unstable_dask.config.league import (
@@ -50,27 +52,35 @@ from unstable_dask.config.model import LoraConfig, ModelConfig, VllmConfig
 from unstable_dask.config.round import EndpointConfig, EnvSpec, OpponentConfig, OpponentStrategy, RoundConfig
 from unstable_dask.config.run import ClusterConfig, ClusterKind, RunConfig
 
-__all__ = ["BASE_UID", "CHECKPOINT_UID", "KIND_PREFIXES", "LEGAL_RANDOM_UID", "MAX_BOOTSTRAP", "MAX_EPOCHS",
+__all__ = ["BASE_UID", "CHECKPOINT_UID", "EXPERT_UIDS", "KIND_PREFIXES", "LEGAL_RANDOM_UID", "MAX_BOOTSTRAP", "MAX_EPOCHS",
            "MAX_GAMES_PER_ROUND", "MAX_INT", "MAX_MODEL_LEN", "MAX_RATING_SCALE", "MAX_UPDATES", "MAX_WORKERS",
            "MIN_PROMPT_TOKENS", "MIN_TEMPERATURE", "NAME", "RANDOM_UID", "SELECTOR", "ClusterConfig", "ClusterKind",
            "EndpointConfig", "EntrantSpec", "EnvSpec", "Job", "LearnConfig", "LeagueConfig", "LeagueGame", "LoraConfig",
            "ModelConfig", "OpponentConfig", "OpponentStrategy", "RatingsConfig", "RoundConfig", "RunConfig", "Strict",
-           "VllmConfig", "covers", "entrant_spec", "reserved_uid"]
+           "VllmConfig", "covers", "entrant_spec", "expert_parts", "reserved_uid"]
 
 
 class Job(Strict):
     run: RunConfig = RunConfig()
+    """[run]: the run's name, and where its lake and reports live."""
     model: ModelConfig = ModelConfig()
+    """[model]: the base model, its engine and sampling."""
     cluster: ClusterConfig = ClusterConfig()
+    """[cluster]: what the Dask workers run on."""
     round: RoundConfig = RoundConfig()
+    """[round]: the games a round plays and who sits in the seats."""
     # The chosen algorithm's subclass of LearnConfig (jobfile.py picks it by learn.algorithm), kept
     # whole when the job is dumped (SerializeAsAny), so the lake's copy of the job has every setting.
     learn: SerializeAsAny[LearnConfig]
+    """[learn]: the learner; `algorithm` chooses the algorithm, whose own keys join the shared ones."""
     ratings: RatingsConfig = RatingsConfig()
-    endpoints: dict[str, EndpointConfig] = {}  # [endpoints.<name>]: opponents by that name
+    """[ratings]: how games become ratings (TrueSkill per game, Bradley-Terry with intervals)."""
+    endpoints: dict[str, EndpointConfig] = {}
+    """[endpoints.<name>]: OpenAI-compatible chat endpoints that play opponent seats under that name."""
     league: LeagueConfig = LeagueConfig()
-    # Where the job came from (a path or "<default>"), for messages; not part of the TOML.
+    """[league]: entrants ranked against each other by seat-balanced duplicate games."""
     source: str = Field("<default>", exclude=True)
+    """Where the job came from (a path or "<default>"), for messages; not a key of the file."""
 
     @field_validator("endpoints")
     @classmethod
@@ -78,7 +88,7 @@ class Job(Strict):
         for name in v:
             if not re.fullmatch(NAME, name) or reserved_uid(name):
                 raise ValueError(f"endpoint name {name!r}: expected letters, digits, '_', '.', '-', and not "
-                                 f"'base', 'random' or a checkpoint uid (ckpt-<k>)")
+                                 f"'base', 'random', an expert's name ({', '.join(EXPERT_UIDS)}) or a checkpoint uid (ckpt-<k>)")
         return v
 
     @property
@@ -97,7 +107,8 @@ class Job(Strict):
     def opponent_error(self, key: str, name: str) -> str:
         """The one message for an opponent name a round cannot seat (at load and when a round starts)."""
         declared = ", ".join(repr(n) for n in self.endpoints) or "none declared"
-        return (f"{self.source}: key '{key}' names opponent {name!r}: expected 'random', 'base', an endpoint "
+        return (f"{self.source}: key '{key}' names opponent {name!r}: expected 'random', 'base', an expert "
+                f"({', '.join(repr(e) for e in EXPERT_UIDS)}, or '<expert>@<eps>'), an endpoint "
                 f"of [endpoints] ({declared}), a checkpoint uid of run {self.run.name!r} (ckpt-<k>), "
                 f"or a LoRA adapter directory")
 

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-# Limits, one place (README, "Job files"). Far past any real run; they turn a typo into an error at
+# Limits, one place (docs/job-keys.md shows them). Far past any real run; they turn a typo into an error at
 # load instead of a scheduler that never ends or a number the lake cannot store.
 MAX_INT = 2**53  # every integer setting, anywhere in a job (exact as JSON and float64, fits int64)
 MAX_GAMES_PER_ROUND = 1_000_000  # round.train_games + round.eval_games (scheduling takes ~0.1 ms a game)
@@ -64,8 +64,26 @@ RANDOM_UID = "random"
 # The eval baseline (round.eval_baseline): the random agent, which plays a legal move, in the learner's seats.
 LEGAL_RANDOM_UID = "legal-random"
 CHECKPOINT_UID = re.compile(r"ckpt-\d+")  # the learner names its checkpoints ckpt-<k> (learn.py)
+# Expert agents (play/experts.py): opponent names, alone or as `<expert>@<eps>` (a uniformly random
+# legal move with probability eps, the expert's move otherwise); the name is the seat's model_uid.
+EXPERT_UIDS = ("minimax", "kuhn-best")
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # run and endpoint names: safe in paths and messages
 
 
 def reserved_uid(uid: str) -> bool:
-    return uid in (BASE_UID, RANDOM_UID, LEGAL_RANDOM_UID) or CHECKPOINT_UID.fullmatch(uid) is not None
+    return (uid in (BASE_UID, RANDOM_UID, LEGAL_RANDOM_UID) or CHECKPOINT_UID.fullmatch(uid) is not None
+            or uid.partition("@")[0] in EXPERT_UIDS)
+
+
+def expert_parts(uid: str) -> Optional[tuple[str, float]]:
+    """(expert, eps) of an expert agent's name ('minimax' -> ('minimax', 0.0)), None for any other
+    name; ValueError for an expert's name whose eps is not a number in [0, 1]."""
+    name, at, eps = uid.partition("@")
+    if name not in EXPERT_UIDS:
+        return None
+    if not at:
+        return name, 0.0
+    if not re.fullmatch(r"\d+(\.\d*)?|\.\d+", eps) or float(eps) > 1:
+        raise ValueError(f"{uid!r}: an expert's epsilon form is '{name}@<eps>' with eps a number in [0, 1] "
+                         f"(the share of uniformly random legal moves), got {eps!r}")
+    return name, float(eps)

@@ -6,18 +6,27 @@ from typing import Literal, NamedTuple, Optional, Union
 
 from pydantic import Field, field_validator
 
-from unstable_dask.config.base import BASE_UID, MAX_BOOTSTRAP, MAX_RATING_SCALE, NAME, RANDOM_UID, Strict
+from unstable_dask.config.base import BASE_UID, MAX_BOOTSTRAP, MAX_RATING_SCALE, NAME, RANDOM_UID, Strict, expert_parts
 
 
 class RatingsConfig(Strict):
     mu: float = Field(25.0, ge=-MAX_RATING_SCALE, le=MAX_RATING_SCALE)
+    """TrueSkill: a new model's prior mean skill."""
     sigma: float = Field(25.0 / 3.0, gt=0.0, le=MAX_RATING_SCALE)
+    """TrueSkill: a new model's prior standard deviation."""
     beta: float = Field(4.0, gt=0.0, le=MAX_RATING_SCALE)
+    """TrueSkill: the performance noise of one game (a skill gap of beta wins about 76% of games)."""
     tau: float = Field(25.0 / 300.0, ge=0.0, le=MAX_RATING_SCALE)
+    """TrueSkill: dynamics, added (in quadrature) to a model's sigma before each game, so its skill
+    can keep moving."""
     draw_probability: float = Field(0.10, ge=0.0, lt=1.0)
-    inherit_sigma_factor: float = Field(2.0, ge=1.0)  # new checkpoint: parent's mu, sigma*factor (capped)
-    bootstrap: int = Field(200, ge=0, le=MAX_BOOTSTRAP)  # Bradley-Terry bootstrap resamples for the 95% CI
-    include_eval: bool = True  # eval games against fixed opponents update ratings too
+    """TrueSkill: the assumed share of drawn games between equal models."""
+    inherit_sigma_factor: float = Field(2.0, ge=1.0)
+    """A new checkpoint starts at its parent's mu and sigma times this factor (capped at `sigma`)."""
+    bootstrap: int = Field(200, ge=0, le=MAX_BOOTSTRAP)
+    """Bradley-Terry bootstrap resamples for the 95% intervals (0: no intervals; a league needs them)."""
+    include_eval: bool = True
+    """Eval games against fixed opponents update the ratings too (a league's games always do)."""
 
 
 # League entrants (league.entrants): the forms a spec may take. Only the form is checked when a
@@ -28,7 +37,7 @@ KIND_PREFIXES = ("base:", "endpoint:", "adapter:")  # league uids of entrants th
 
 
 class EntrantSpec(NamedTuple):
-    kind: Literal["random", "base", "checkpoints", "name"]
+    kind: Literal["random", "expert", "base", "checkpoints", "name"]
     run: Optional[str] = None  # checkpoints: the run (None: the job's own run)
     value: Optional[str] = None  # base: the model (None: [model].base); checkpoints: the selector; name: itself
 
@@ -39,11 +48,13 @@ class EntrantSpec(NamedTuple):
 
 
 def entrant_spec(spec: str) -> EntrantSpec:
-    """What a league entrant spec names: `random`; `base` or `base:<model>` (a base model, no adapter);
+    """What a league entrant spec names: `random`; an expert agent (`minimax`, `minimax@0.3`); `base` or `base:<model>` (a base model, no adapter);
     `<run>:<selector>` or `<selector>` (checkpoints of a run, or of this job's run; selector `ckpt-<k>`,
     `*`, `every-<k>`); else a name: an endpoint of [endpoints] or a LoRA adapter directory."""
     if spec == RANDOM_UID:
         return EntrantSpec("random")
+    if expert_parts(spec) is not None:  # ValueError for a bad eps
+        return EntrantSpec("expert", None, spec)
     if spec == BASE_UID or spec.startswith("base:"):
         model = spec.removeprefix("base").removeprefix(":") or None
         if spec != BASE_UID and model is None:
@@ -77,8 +88,11 @@ def covers(specs: list[EntrantSpec], one: EntrantSpec, run_name: str, base: str)
 
 class LeagueGame(Strict):
     env_id: str
-    num_players: int = Field(2, ge=2)  # a pairing needs two sides; N > 2 rotates the two through the seats
-    template: Optional[str] = None  # overrides [model].template in this game
+    """A registered TextArena env id."""
+    num_players: int = Field(2, ge=2)
+    """Seats in the game: a pairing needs two sides; more than 2 rotates the two through the seats."""
+    template: Optional[str] = None
+    """The prompt template in this game; unset: [model].template."""
 
 
 class LeagueConfig(Strict):
@@ -86,7 +100,7 @@ class LeagueConfig(Strict):
     name: Optional[str] = Field(None, pattern=NAME)
     """The run the league's games and ratings are written under (split `league`); default `<run.name>-league`."""
     entrants: list[str] = ["*", "base", "random"]
-    """`random`; `base` or `base:<model>` (a base model with no adapter: an HF id, a folder, builtin:...);
+    """`random`; an expert agent (`minimax`, `kuhn-best`, `<expert>@<eps>`); `base` or `base:<model>` (a base model with no adapter: an HF id, a folder, builtin:...);
     `<run>:ckpt-<k>`, `<run>:*`, `<run>:every-<k>` (checkpoints of any run in the lake; without `<run>:`
     the job's own run); an endpoint of [endpoints]; a LoRA adapter directory."""
     games: list[LeagueGame] = []
@@ -104,7 +118,7 @@ class LeagueConfig(Strict):
     """adaptive: after the first pass, only adjacent pairs of the ranking not yet separated, where a game
     says most; round-robin: every pair, every pass (the baseline adaptive pairing is measured against)."""
     pairs_per_pass: Optional[int] = Field(None, gt=0)
-    """Most pairings a pass plays (the most informative first); None: every unseparated adjacent pair."""
+    """Most pairings a pass plays (the most informative first); unset: every unseparated adjacent pair."""
     confidence: float = Field(0.95, gt=0.5, lt=1.0)
     """Adjacent entrants are separated when the bootstrap puts the higher one above in this share of
     resamples; also the level of the rating intervals. The league stops when every adjacent pair is."""

@@ -16,7 +16,7 @@ class LearnConfig(Strict):
     `algorithm` names, so a key the chosen algorithm does not have is an error, not ignored.
     """
     algorithm: str = "reinforce"
-    """A name in learn/algorithms ALGORITHMS: reinforce, a2c, grpo, gspo."""
+    """The learning algorithm, a name of learn/algorithms' ALGORITHMS; its own keys join these."""
     batch_size: int = Field(32, gt=0)
     """Rows (learner turns) per sampled batch; GRPO/GSPO and A2C take whole groups / seats up to it."""
     mini_batch_size: int = Field(8, gt=0)
@@ -34,9 +34,9 @@ class LearnConfig(Strict):
     most. It acts on every token, not on moves: on the Kuhn job 0.05 spread probability onto text
     that is not a move and did not bring back a dropped move (BENCHMARKS.md). 0: off, as in UB."""
     max_train_len: Optional[int] = Field(None, gt=0)
-    """Truncate prompt + completion to this many tokens (prompt first, from the left); None: no cut."""
+    """Truncate prompt + completion to this many tokens (prompt first, from the left); unset: no cut."""
     window: Union[Literal["latest", "all"], int] = "latest"
-    """Rounds a batch is sampled from: the newest (on-policy), all, or the last k."""
+    """Rounds a batch is sampled from: the newest (on-policy), all, or the last k (an integer >= 1)."""
     updates_per_round: int = Field(1, gt=0, le=MAX_UPDATES)
     """Sampled batches (updates) per learner iteration, each with its own seed."""
     gradient_checkpointing: bool = True
@@ -44,6 +44,10 @@ class LearnConfig(Strict):
     micro-batches of 8), 0.31x the update's peak memory at 0.70x the speed (BENCHMARKS.md)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the update runs; auto: a GPU worker of the cluster, or this machine's GPU, else CPU."""
+    devices: int = Field(1, gt=0)
+    """Data-parallel ranks of an update: > 1 runs it on that many Dask workers (one GPU each on a GPU
+    cluster; torch.distributed, NCCL on CUDA, gloo on CPU), gradients summed over them, rank 0
+    commits; the same adapter as one process up to float summation order (learn/distributed.py)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Precision of the learner's forward passes (bf16 autocast, LoRA weights stay fp32). auto:
     bfloat16 on CUDA, and on CPUs with native bf16 (AVX-512 BF16, AMX) for models of hidden size >= 512
@@ -61,9 +65,10 @@ class LearnConfig(Strict):
     """Learner iterations a sample may be old when it is trained on (the checkpoint that played it
     against the one being trained). 0: lock-step loop, on-policy rounds only; k > 0: `loop` starts
     the next round while the learner trains, never on a checkpoint more than k iterations behind."""
+    # Declared after `device`, which its check reads.
     quantization: Literal["none", "4bit", "8bit"] = "none"
     """QLoRA: the frozen base in 4 bit (NF4) or 8 bit through bitsandbytes, CUDA only; the adapter
-    stays standard peft LoRA (served on the unquantized base). Declared after `device`."""
+    stays standard peft LoRA (served on the unquantized base)."""
     final_transforms: list[str] = []
     """Reward transforms once per game and learner seat (names with arguments, or one SELECT over
     `final`); each algorithm's class sets its default."""

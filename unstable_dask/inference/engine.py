@@ -45,7 +45,7 @@ class Generation:
     text: str  # completion only, special tokens stripped
     prompt_tokens: int  # tokens actually fed (after left truncation)
     completion_tokens: int  # generated tokens, the EOS token included when one was generated
-    truncated: bool  # stopped at max_new_tokens without EOS
+    truncated: bool  # stopped at max_new_tokens, without EOS or a stop string (model.stop)
     # Behaviour log-prob of each generated token: sampling.sampling_logprobs(logits, T, top_p).
     logprobs: Optional[list[float]]
     token_ids: list[int]  # the generated ids (len == completion_tokens); text is their decode

@@ -64,6 +64,34 @@ def _behaviour_logprob_processor(temperature: float, top_p: float):
     return BehaviourLogprobs()
 
 
+def _stop_string_criteria(tokenizer: Any, stop: list[str], width: int, eos_ids: list[int]):
+    """A stopping criterion for model.stop: a row ends once the text it has generated (decoded as
+    Generation.text is) contains a stop string, the token that completed it kept; vLLM stops by the
+    same rule. `ends[row]` records that row's completion length, so the tokens the lake keeps are
+    exactly those generated up to the stop (generate pads the row after it)."""
+    import torch
+    from transformers import StoppingCriteria
+
+    class StopAtStrings(StoppingCriteria):
+        def __init__(self) -> None:
+            self.ends: dict[int, int] = {}
+
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            new = input_ids[:, width:]
+            ended = torch.isin(new, torch.tensor(eos_ids, device=new.device)).any(dim=1).tolist()
+            for row, eos in enumerate(ended):
+                if row in self.ends or eos:  # a row past its EOS is padding: the EOS ended it first
+                    continue
+                text = tokenizer.decode(new[row].tolist(), skip_special_tokens=True)
+                if any(s in text for s in stop):
+                    self.ends[row] = new.shape[1]
+            done = torch.zeros(new.shape[0], dtype=torch.bool, device=new.device)
+            done[list(self.ends)] = True
+            return done
+
+    return StopAtStrings()
+
+
 class HFModel:
     """Weights, tokenizer and loaded adapters of one model in this process (shared by engines)."""
 
@@ -224,6 +252,7 @@ class HFEngine:
 
     def _generate_chunk(self, batch: list[list[int]]) -> list[Generation]:
         import torch
+        from transformers import StoppingCriteriaList
 
         cfg, hf = self.cfg, self.hf
         width = max(len(x) for x in batch)
@@ -232,7 +261,10 @@ class HFEngine:
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch], device=hf.device)
         recorder = _behaviour_logprob_processor(cfg.temperature, cfg.top_p)
         # The recorder already returns the behaviour distribution: generate must not warp it again.
-        sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if cfg.temperature > 0 else {}
+        sampling: dict[str, Any] = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if cfg.temperature > 0 else {}
+        stopper = _stop_string_criteria(self.tokenizer, cfg.stop, width, hf.eos_ids) if cfg.stop else None
+        if stopper is not None:
+            sampling["stopping_criteria"] = StoppingCriteriaList([stopper])
         seqs = hf.generator.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
                                  logits_processor=[recorder], eos_token_id=hf.eos_ids, pad_token_id=pad,
                                  **sampling)
@@ -243,10 +275,15 @@ class HFEngine:
         for row, x in enumerate(batch):
             hits = eos[row].nonzero()
             n = int(hits[0]) + 1 if len(hits) else new.shape[1]
+            stop_end = None if stopper is None else stopper.ends.get(row)
+            stopped = stop_end is not None
+            if stop_end is not None:
+                n = min(n, stop_end)
             tokens = new[row, :n].tolist()
             out.append(Generation(text=str(self.tokenizer.decode(tokens, skip_special_tokens=True)),
                                   prompt_tokens=len(x), completion_tokens=n,
-                                  truncated=not len(hits), logprobs=logprobs[row][:n], token_ids=tokens))
+                                  truncated=not len(hits) and not stopped, logprobs=logprobs[row][:n],
+                                  token_ids=tokens))
         return out
 
     def sleep(self) -> None:

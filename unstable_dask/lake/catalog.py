@@ -128,11 +128,7 @@ CHECKPOINTS = pa.schema([
 LEARNER_STEPS = pa.schema([
     _f("update", pa.int32(), "numbers the updates inside an iteration"),
     _f("algorithm", pa.string()), _f("checkpoint_uid", pa.string(), "the checkpoint this update produced"),
-    _f("loss", pa.float64()), _f("pg_loss", pa.float64()), _f("value_loss", pa.float64(), "A2C's critic"),
-    _f("value_mae", pa.float64(), "A2C's critic"), _f("kl", pa.float64(), "GRPO / GSPO"),
-    _f("clip_frac", pa.float64(), "share of tokens (GSPO: sequences) whose gradient the clip removed"),
-    _f("clip_frac_first", pa.float64(), "clip_frac of the first optimizer step (0: pi_old is the learner's own)"),
-    _f("ppo_kl", pa.float64(), "mean over trained tokens of log pi_old - log pi (verl's ppo_kl)"),
+    _f("loss", pa.float64()), _f("pg_loss", pa.float64()),
     _f("entropy", pa.float64(), "mean entropy (nats) of the learner's sampling distribution at the completion tokens"),
     _f("logp_gap_mean", pa.float64(), "mean |log pi_old - log pi_b| over tokens with engine log-probs: "
        "learner vs engine numerics (and staleness)"),
@@ -150,8 +146,7 @@ LEARNER_STEPS = pa.schema([
     _f("dtype", pa.string(), "precision of the learner's forward passes (learn.dtype)"),
     _f("logp_mean", pa.float64()),
     _f("optimizer_steps", pa.int32(), "optimizer steps of the update (GRPO/GSPO: ppo_epochs x mini-batches, else 1); loss terms are their means"),
-    _f("grad_norm", pa.float64(), "before clipping"), _f("critic_grad_norm", pa.float64()),
-    _f("lr", pa.float64()), _f("critic_lr", pa.float64()),
+    _f("grad_norm", pa.float64(), "before clipping"), _f("lr", pa.float64()),
     _f("samples", pa.int64(), "batch rows"), _f("tokens", pa.int64(), "tokens seen"),
     _f("train_tokens", pa.int64(), "completion tokens trained"),
     _f("tokens_per_s", pa.float64()), _f("step_time_s", pa.float64()),
@@ -169,6 +164,11 @@ LEARNER_STEPS = pa.schema([
     _f("table_versions", pa.string(),
        "JSON {table: Delta version} of the snapshot the batch was read from (`learn --preview --at-version`)"),
     _f("created_at", pa.timestamp("us", tz="UTC")),
+    _f("metrics", pa.map_(pa.string(), pa.float64()),
+       "the algorithm's own metrics, by name (`metrics['clip_frac']`): A2C's value_loss, value_mae, "
+       "critic_grad_norm, critic_lr; GRPO / GSPO's kl, clip_frac (share of tokens, GSPO: sequences, whose "
+       "gradient the clip removed), clip_frac_first (its first optimizer step's), ppo_kl (mean over trained "
+       "tokens of log pi_old - log pi); lakes written before the map hold these as columns"),
 ])
 
 # The role-advantage EMA's state after a round (learn/ema.py), committed with the iteration whose

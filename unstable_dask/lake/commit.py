@@ -25,6 +25,7 @@ from deltalake.transaction import CommitProperties, Transaction
 from unstable_dask.lake import delta as dl
 from unstable_dask.lake import storage as st
 from unstable_dask.lake.catalog import PARTITION, SCHEMAS, TABLES, counts, data_tables
+from unstable_dask.lake.read import sql_str
 
 log = logging.getLogger("unstable_dask.lake")
 
@@ -227,8 +228,7 @@ def retire(root: str, marker: str, run_name: str, parts: list[int]) -> None:
     for each, so `finish_commits` never mistakes them for commits a killed driver left unpublished."""
     if not parts:
         return
-    quoted = run_name.replace("'", "''")
-    predicate = f"run = '{quoted}' AND {PARTITION[marker]} IN ({', '.join(str(int(p)) for p in sorted(parts))})"
+    predicate = f"run = {sql_str(run_name)} AND {PARTITION[marker]} IN ({', '.join(str(int(p)) for p in sorted(parts))})"
     retired = [Transaction(retired_app(dl.app_id(run_name, PARTITION[marker], p)), 1) for p in parts]
     for table in [marker, *data_tables(marker)]:
         dt = dl.load(root, table)

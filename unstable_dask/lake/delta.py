@@ -44,7 +44,7 @@ def app_id(run_name: str, partition: str, part: int) -> str:
     return f"{run_name}/{partition}={part}"
 
 
-_log_reads = 0  # Delta logs opened by this process (bench/bench_lake_requests.py counts them)
+_log_reads = 0  # Delta logs opened by this process (bench/lake/bench_lake_requests.py counts them)
 
 
 def log_reads() -> int:

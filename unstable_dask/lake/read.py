@@ -130,14 +130,15 @@ def _replace_files(root: str, table: str) -> list[str]:
             if p.endswith(".parquet") and not st.name(p).startswith(".") and st.is_whole_parquet(p)]
 
 
-def _sql_str(s: str) -> str:
+def sql_str(s: str) -> str:
+    """A string as an SQL literal: single-quoted, its quotes doubled (the one quoting helper)."""
     return "'" + s.replace("'", "''") + "'"
 
 
 def read_sql(table: str, files: list[str], mixed: bool) -> str:
     """read_parquet over an explicit file list: no listing, hive columns typed and prunable.
     Only tables holding files of older schemas pay for matching columns by name in every file."""
-    names = ", ".join(_sql_str(p) for p in files)
+    names = ", ".join(sql_str(p) for p in files)
     cols = ["run"] + ([PARTITION[table]] if table in PARTITION else [])
     types = "{" + ", ".join(f"'{c}': '{'VARCHAR' if HIVE_TYPES[c] == pa.string() else 'BIGINT'}'" for c in cols) + "}"
     return (f"SELECT * FROM read_parquet([{names}], hive_partitioning=true, hive_types={types}"

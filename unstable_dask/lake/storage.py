@@ -65,6 +65,12 @@ def resolve(loc: Location) -> tuple[pafs.FileSystem, str]:
     return _remote_fs(f"{scheme}://{rest.split('/', 1)[0]}"), rest.rstrip("/")
 
 
+def forget_remote_filesystems() -> None:
+    """Drop the cached object-store filesystems: the next access builds them again from the
+    environment (credentials or endpoint changed, e.g. another S3 server)."""
+    _remote_fs.cache_clear()
+
+
 def size(loc: Location) -> Optional[int]:
     """The file's size in bytes, None when there is no file there."""
     fs, path = resolve(loc)

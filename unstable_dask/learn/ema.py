@@ -27,14 +27,12 @@ from typing import ClassVar, Optional, Sequence
 
 import duckdb
 
+from unstable_dask.lake.read import sql_str
+
 
 def sql_num(x: float) -> str:
     """A float as an exact SQL DOUBLE literal (repr round-trips)."""
     return f"CAST({float(x)!r} AS DOUBLE)"
-
-
-def sql_str(s: str) -> str:
-    return "'" + s.replace("'", "''") + "'"
 
 
 @dataclass(frozen=True)
@@ -116,7 +114,8 @@ def signature(final: Sequence, i: int) -> str:
 
 def state_cte(run_name: str, state_round: int, t: RoleAdvantageFormatter, sig: str) -> str:
     """The stored state of `t` (keys, b, games) after round `state_round`. Read inside the batch
-    query, so `--show-sql` shows where every b0 comes from (invariant 4). Two iterations that
+    query, so `--show-sql` shows where every b0 comes from (the design's invariant that a learner
+    batch is a pure function of lake, SQL and seed, and `--show-sql` prints the exact query). Two iterations that
     wrote the same round's state wrote the same function of the lake: the newer's rows are taken."""
     return f"""SELECT {t.keys}, b, games FROM baselines
   WHERE run = {sql_str(run_name)} AND round = {int(state_round)} AND transform = {sql_str(sig)}

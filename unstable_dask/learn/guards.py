@@ -4,26 +4,28 @@ the update itself)."""
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import duckdb
 import pyarrow as pa
 
-from unstable_dask.config import Job
+from unstable_dask.config import BASE_UID, EXPERT_UIDS, Job
 from unstable_dask.errors import JobError
 from unstable_dask.learn import algorithms
 from unstable_dask.learn.ema import find_state
+from unstable_dask.learn.plan import Plan
 from unstable_dask.learn.rewards import batch_query, run_batch_query
+from unstable_dask.learn.selection import run_selection
 from unstable_dask.learn.transforms import parse_transforms
-
-if TYPE_CHECKING:
-    from unstable_dask.learn.learner import Plan
 
 
 def check_exact_tokens(con: duckdb.DuckDBPyConnection, job: Job, p: Plan) -> None:
     """The learner trains on the ids the engine generated, under the round's sampling settings:
     rounds played before the lake recorded them (completion_token_ids, group_id, the commit row's
-    temperature / top_p) cannot be trained on exactly, so they are refused, not approximated."""
+    temperature / top_p) cannot be trained on exactly, so they are refused, not approximated.
+    Selected rows (Spec.rows "selected", SFT) are rendered, not the engine's: nothing to check."""
+    if _selected(job):
+        return
     rounds = ", ".join(str(int(r)) for r in p.rounds)
     try:
         old = con.execute(f"""SELECT DISTINCT round FROM turns WHERE run = ? AND round IN ({rounds}) AND split = 'train'
@@ -38,6 +40,21 @@ def check_exact_tokens(con: duckdb.DuckDBPyConnection, job: Job, p: Plan) -> Non
                        "(turns.completion_token_ids, rounds.temperature); the learner trains only on those: "
                        "play new rounds (learn.window) or start a new run")
 
+
+
+def _selected(job: Job) -> bool:
+    """The algorithm trains on rendered turns the job selects (SFT), not on the engine's samples."""
+    return algorithms.spec(job.learn.algorithm).rows == "selected"
+
+
+def check_selection(con: duckdb.DuckDBPyConnection, job: Job, p: Plan, sql: str) -> None:
+    """An algorithm of selected rows (SFT) has turns to train on, said before a model is loaded."""
+    if not _selected(job) or run_selection(con, sql).num_rows:
+        return
+    raise JobError(f"{job.source}: key 'learn.select' selects no turns in round(s) {p.rounds} of run '{p.run_name}' "
+                   f"in lake '{job.run.lake}'; the default takes the turns of expert seats "
+                   f"({', '.join(EXPERT_UIDS)}) outside eval games: seat an expert (round.opponents, or eval "
+                   "opponents with round.eval_baseline) or select other turns; nothing was trained")
 
 
 def check_quantization(job: Job, device: str) -> None:
@@ -57,8 +74,10 @@ def check_quantization(job: Job, device: str) -> None:
 def check_finite_advantages(job: Job, p: Plan, seed: int, batch: pa.Table, con: duckdb.DuckDBPyConnection) -> None:
     """A non-finite or NULL advantage (a transform dividing by zero, a NULL it produced) never
     reaches the optimizer: one line naming the first transform whose output has one (the batch
-    drawn again with `seed`, the pipelines cut after each transform in turn)."""
+    drawn again with `seed`, the pipelines cut after each transform in turn). Selected rows have none."""
     import math
+    if _selected(job):
+        return
     bad = [(a, r) for a, r in zip(batch.column("advantage").to_pylist(), batch.to_pylist())
            if a is None or not math.isfinite(a)]
     if not bad:
@@ -86,12 +105,16 @@ def check_finite_advantages(job: Job, p: Plan, seed: int, batch: pa.Table, con: 
 
 
 def check_finite_update(job: Job, p: Plan, metrics: dict, trainer: Any) -> None:
-    """A non-finite loss, gradient or weight never becomes a checkpoint."""
+    """A non-finite loss, gradient or weight, the policy's or the critic's (A2C), never becomes a
+    checkpoint."""
     import math
 
     import torch
-    bad = [k for k in ("loss", "grad_norm") if metrics.get(k) is not None and not math.isfinite(metrics[k])]
-    weights = [n for n, w in trainer.policy.named_parameters() if w.requires_grad and not bool(torch.isfinite(w).all())]
+    bad = [k for k in ("loss", "grad_norm", "critic_grad_norm", "value_loss")
+           if metrics.get(k) is not None and not math.isfinite(metrics[k])]
+    models = {"": trainer.policy} | ({"critic.": trainer.critic} if getattr(trainer, "critic", None) is not None else {})
+    weights = [prefix + n for prefix, model in models.items() for n, w in model.named_parameters()
+               if w.requires_grad and not bool(torch.isfinite(w).all())]
     if bad or weights:
         what = ", ".join(f"{k} {metrics[k]}" for k in bad) or f"non-finite weights ({weights[0]}...)"
         raise JobError(f"{job.source}: the update of {p.uid} of run '{p.run_name}' gave {what}; nothing is committed "
@@ -103,7 +126,10 @@ def check_finite_update(job: Job, p: Plan, metrics: dict, trainer: Any) -> None:
 def served_weights(job: Job, p: Plan, batch: pa.Table) -> dict:
     """Check that every row was played by the weights its checkpoint names (turns.adapter_sha256 vs
     checkpoints.adapter_sha256: an engine that kept serving an old adapter is an error, never trained
-    on) and measure how stale the rows are (learner_steps.staleness_*)."""
+    on) and measure how stale the rows are (learner_steps.staleness_*). Selected rows (SFT) were
+    played by no checkpoint: neither applies."""
+    if _selected(job):
+        return {}
     parent = p.lineage.get(p.parent_uid, (0, None))[0]
     ages = []
     for r, g, t, uid, sha in zip(*(batch.column(c).to_pylist() for c in
@@ -112,6 +138,11 @@ def served_weights(job: Job, p: Plan, batch: pa.Table) -> dict:
         if iteration is None:
             raise JobError(f"turn {t} of game {g} (round {r}) of run '{p.run_name}' was played by {uid!r}, which is "
                            "not a checkpoint of the run")
+        if uid == BASE_UID and sha is not None:  # the base model is served without an adapter
+            raise JobError(f"turn {t} of game {g} (round {r}) of run '{p.run_name}' was played by adapter weights "
+                           f"{sha[:12]}, but its checkpoint is {BASE_UID!r}, the base model without an adapter: the "
+                           "engine served other weights than the checkpoint the round names; nothing of it is "
+                           "trained on")
         if committed is not None and sha != committed:
             served = f"adapter weights {sha[:12]}" if sha else "the base model"
             raise JobError(f"turn {t} of game {g} (round {r}) of run '{p.run_name}' was played by {served}, but its "

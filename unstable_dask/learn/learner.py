@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union, cast
 
 import pyarrow as pa
 
@@ -37,33 +37,20 @@ from unstable_dask.lake import Lake
 from unstable_dask.lake import storage as st
 from unstable_dask.lake.catalog import LEARNER_STEPS
 from unstable_dask.lake.commit import now
-from unstable_dask.learn import algorithms
+from unstable_dask.learn import algorithms, distributed
 from unstable_dask.learn.ema import find_state
 from unstable_dask.learn.guards import (
     check_exact_tokens,
     check_finite_advantages,
     check_finite_update,
     check_quantization,
+    check_selection,
     served_weights,
 )
+from unstable_dask.learn.plan import Plan
 from unstable_dask.learn.rewards import batch_query, run_batch_query, state_rows, window_rounds
+from unstable_dask.learn.selection import run_selection, selection_query
 from unstable_dask.learn.transforms import parse_transforms
-
-
-@dataclass
-class Plan:
-    run_name: str
-    iteration: int
-    uid: str
-    parent_uid: str
-    parent_adapter: Optional[str]  # absolute dir, None for the base model
-    rounds: list[int]
-    # {table: Delta version}: every batch of the iteration reads this one snapshot, and
-    # learner_steps records it, so `learn --preview --at-version <uid>` reads the same rows later.
-    versions: dict[str, int] = field(default_factory=dict)
-    seeds: dict[int, int] = field(default_factory=dict)  # update -> recorded batch seed (replays only)
-    # uid -> (iteration, adapter sha256) of every checkpoint of the run, the base model (0, None) included
-    lineage: dict[str, tuple[int, Optional[str]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,10 +90,12 @@ def plan(job: Job, lake: Optional[Lake] = None) -> Optional[Plan]:
     # played meanwhile in an overlapped one)
     rounds = window_rounds(committed, job.learn.window, trained)
     lineage = {BASE_UID: (0, None)} | {c["uid"]: (c["iteration"], c.get("adapter_sha256")) for c in ckpts}
-    # Invariant: no update trains on samples more than learn.max_staleness iterations old.
+    # Invariant: no update trains on samples more than learn.max_staleness iterations old (selected
+    # rows, an expert's turns, were played by no checkpoint: any round of the window serves).
     newest = parent["iteration"] if parent else 0
-    played = dict(lake.connect().sql("SELECT round, checkpoint_uid FROM rounds WHERE run = ?", params=[run_name]).fetchall())
-    fresh = [r for r in rounds if newest - lineage.get(played[r], (0, None))[0] <= job.learn.max_staleness]
+    played = {r["round"]: r["checkpoint_uid"] for r in lake.table("rounds").rows(run_name)}
+    fresh = [r for r in rounds if newest - lineage.get(played[r], (0, None))[0] <= job.learn.max_staleness
+             or algorithms.spec(job.learn.algorithm).rows == "selected"]
     if not fresh:
         raise JobError(f"{job.source}: the rounds of learn.window {job.learn.window!r} ({rounds}) were played by "
                        f"checkpoints more than learn.max_staleness = {job.learn.max_staleness} iterations before "
@@ -145,14 +134,24 @@ def build_query(job: Job, p: Plan, update: int = 0, con=None) -> str:
     """The batch query of one update: the job's transforms, the plan's window and seed, and the
     newest stored role-advantage state before the window that `con` (the plan's snapshot) holds."""
     cfg = job.learn
+    seed = p.seeds[update] if update in p.seeds else batch_seed(job, p.iteration, update)
+    if algorithms.spec(cfg.algorithm).rows == "selected":  # the job's SELECT of turns (SFT), no rewards
+        return selection_query(p.run_name, p.rounds, cast(Any, cfg).select, cfg.batch_size, seed)
     final = parse_transforms(cfg.final_transforms, "final", con)
     step = parse_transforms(cfg.step_transforms, "step", con)
     spec = algorithms.spec(cfg.algorithm)
     # Sampling transforms on the rewards here, or by the update on its own advantages (A2C).
     sampling = parse_transforms(cfg.sampling_transforms, "sampling", con) if spec.sampling_on == "rewards" else []
-    seed = p.seeds[update] if update in p.seeds else batch_seed(job, p.iteration, update)
     state = find_state(con, p.run_name, p.rounds, final) if con is not None else None
     return batch_query(p.run_name, p.rounds, cfg.batch_size, seed, final, step, sampling, unit=spec.unit, state=state)
+
+
+def run_batch(con, job: Job, sql: str) -> pa.Table:
+    """The rows of build_query's `sql`: learner turns with their advantages, or (Spec.rows
+    "selected") the turns the job's SELECT picks."""
+    if algorithms.spec(job.learn.algorithm).rows == "selected":
+        return run_selection(con, sql)
+    return run_batch_query(con, sql)
 
 
 def resolve_device(job: Job) -> str:
@@ -188,14 +187,19 @@ def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None,
         if show_sql:
             return sql
         check_exact_tokens(con, job, p)
+        check_selection(con, job, p, sql)
         if preview:
-            table = run_batch_query(con, sql)
-            cols = ["round", "game_id", "turn", "pid", "env_id", "env_reward", "final_reward", "step_reward", "advantage"]
+            table = run_batch(con, job, sql)
+            cols = ["round", "game_id", "turn", "pid", "env_id"] + (
+                ["model_uid", "action"] if "advantage" not in table.column_names else
+                ["env_reward", "final_reward", "step_reward", "advantage"])
             return table.select(cols).to_pandas().to_string(max_rows=40) + f"\n({table.num_rows} rows)"
     finally:
         con.close()
     device = resolve_device(job)
     check_quantization(job, device)
+    if job.learn.devices > 1:  # data-parallel over that many workers, rank 0 commits (learn/distributed.py)
+        return distributed.run(job, lake, p, device, _train, client)
     from unstable_dask.cluster.client import task_resources
     if device == "cuda" and task_resources(job.cluster, client):
         def submit(c):  # the GPU lives on a worker: run there, beside that worker's resident engine
@@ -206,10 +210,12 @@ def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None,
         from unstable_dask.cluster.client import open_client
         with open_client(job.cluster) as own:
             return submit(own)
-    return _train(job, lake, p, device)
+    result = _train(job, lake, p, device)
+    assert result is not None, "one process is rank 0"
+    return result
 
 
-def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
+def _train(job: Job, lake: Lake, p: Plan, device: str) -> Optional[LearnResult]:
     import torch
 
     from unstable_dask.inference.engine import resident_engines
@@ -238,7 +244,7 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
             con = lake.connect()
             try:
                 sql = build_query(job, p, u, con)
-                batch = run_batch_query(con, sql)
+                batch = run_batch(con, job, sql)
                 if batch.num_rows == 0:
                     raise JobError(f"{job.source}: no learner turns to train on in rounds {p.rounds} of run "
                                    f"'{p.run_name}' (learn.window, or games without learner seats)")
@@ -254,11 +260,15 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
                      rounds=p.rounds, device=device, created_at=now(),
                      table_versions=json.dumps(p.versions, sort_keys=True), **_cuda_memory(device))
             steps.append(m)
+        if not distributed.finished(trainer):  # every rank done, same weights; rank 0 alone saves and commits
+            return None
         con = lake.connect()
         try:  # the EMA's state after the window, from the same games as its batches (learn/ema.py)
             baselines = state_rows(con, p.run_name, p.rounds, parse_transforms(job.learn.final_transforms, "final", con))
         finally:
             con.close()
+        # The rows before the adapter: a metric that cannot be stored fails with nothing written.
+        table = steps_table(steps, swap)
         # Attempt-named, like round files: a learner racing on the same iteration can never
         # replace the adapter or steps of the attempt that committed it.
         attempt = uuid.uuid4().hex[:8]
@@ -270,11 +280,7 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
             e.wake_up()
         if engines:
             swap["engine_wake_s"] = time.perf_counter() - t
-    unknown = sorted({k for s in steps for k in s} - set(LEARNER_STEPS.names))
-    if unknown:  # a metric must have its column (lake/catalog.py), or it would be dropped unseen
-        raise RuntimeError(f"{job.learn.algorithm}'s update returned metrics that are not learner_steps columns: {unknown}")
-    rows = [{k: s.get(k, swap.get(k)) for k in LEARNER_STEPS.names} for s in steps]
-    lake.write("learner_steps", p.run_name, p.iteration, f"steps.{attempt}", pa.Table.from_pylist(rows, schema=LEARNER_STEPS))
+    lake.write("learner_steps", p.run_name, p.iteration, f"steps.{attempt}", table)
     if baselines is not None:
         lake.write("baselines", p.run_name, p.iteration, f"baselines.{attempt}", baselines)
     try:
@@ -291,6 +297,22 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> LearnResult:
         if st.name(stale).startswith(f"{p.uid}.") and st.name(stale) != f"{p.uid}.{attempt}" and st.is_dir(stale):
             st.delete(stale)
     return LearnResult(p.run_name, p.iteration, p.uid, rel, p.rounds, steps)
+
+
+def steps_table(steps: list[dict], swap: dict) -> pa.Table:
+    """learner_steps rows of an iteration's updates: a metric named like a column fills it, every
+    other one (an algorithm's own) goes into the `metrics` map, so an algorithm adds metrics without
+    touching the shared schema. `swap`: the engine's sleep/wake figures, shared by the updates."""
+    columns = set(LEARNER_STEPS.names) - {"metrics"}
+    rows = []
+    for s in steps:
+        own = {k: v for k, v in s.items() if k not in columns}
+        bad = {k: v for k, v in own.items() if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))}
+        if bad:  # a bug in the algorithm file, found before anything is written
+            raise TypeError(f"learner_steps metrics must be numbers (or None); got {bad}")
+        rows.append({k: s.get(k, swap.get(k)) for k in columns}
+                    | {"metrics": [(k, None if v is None else float(v)) for k, v in sorted(own.items())]})
+    return pa.Table.from_pylist(rows, schema=LEARNER_STEPS)
 
 
 def _save_atomic(trainer, final: str) -> str:

@@ -180,6 +180,19 @@ class Mismatch:
         ratio = torch.where(known, log_ratio.exp(), torch.ones_like(log_ratio)).detach()
         return self._bound(ratio, torch.ones_like(ratio))
 
+    def kept(self, old: "torch.Tensor", behaviour: "torch.Tensor", known: "torch.Tensor", mask: "torch.Tensor",
+             per_sequence: bool = False) -> "torch.Tensor":
+        """The [b, W] mask of the completion tokens the weights keep in the loss (all of them unless
+        mode is "mask"), recording nothing: what `weights` / `sequence_weights` would keep."""
+        import torch
+        log_ratio = (old - behaviour).clamp(-20.0, 20.0)
+        if per_sequence:
+            seq = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            ratio = torch.where(known, seq.exp(), torch.ones_like(seq))
+            return mask * self._bound(ratio, torch.ones_like(ratio))[1].unsqueeze(-1)
+        on = mask.bool() & known.unsqueeze(-1)
+        return self._bound(torch.where(on, log_ratio.exp(), torch.ones_like(old)), mask)[1]
+
     def _bound(self, ratio: "torch.Tensor", mask: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
         import torch
         if self.mode == "truncate":
@@ -213,6 +226,21 @@ class Mismatch:
                        is_bounded_frac=float(high.float().mean()),
                        is_ess=float(raw.mean() ** 2 / (raw ** 2).mean()))
         return out
+
+
+def kept_tokens(model: Any, batch: Any, step: list[list[int]], device: Any, per_sequence: bool = False) -> int:
+    """The completion tokens of one optimizer step's micro-batches (`batch`: an algorithms.Batch)
+    that the importance weights keep: the "token-mean" normaliser under learn.is_mode = "mask",
+    where dropped tokens leave the loss and its normaliser. A no-grad pass, needed only when the
+    weights are not known before the gradient pass (one optimizer step)."""
+    import torch
+    n = 0
+    with torch.no_grad():
+        for rows in step:
+            p = forward(model, batch.tokens, rows, batch.temperature, batch.top_p, device)
+            n += int(batch.mismatch.kept(p.logp, p.take(batch.behaviour), batch.known[rows].to(p.logp.device), p.mask,
+                                         per_sequence).sum())
+    return n
 
 
 def step_is_zero(optimizer: Any) -> bool:

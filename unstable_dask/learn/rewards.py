@@ -25,8 +25,8 @@ import duckdb
 import pyarrow as pa
 
 from unstable_dask.errors import JobError
-from unstable_dask.lake.read import check_select_only
-from unstable_dask.learn.ema import RoleAdvantageFormatter, find_state, sql_str, state_cte, stateful
+from unstable_dask.lake.read import check_select_only, sql_str
+from unstable_dask.learn.ema import RoleAdvantageFormatter, find_state, state_cte, stateful
 from unstable_dask.learn.transforms import Transform
 
 STEP_COLUMNS = ("turn", "group_id", "model_uid", "format_ok", "invalid_move", "prompt_tokens", "completion_tokens",

@@ -35,8 +35,7 @@ def rollback(job: Job, to: str) -> Rollback:
     retired = [c["uid"] for c in ckpts if c["iteration"] > by_uid[to]]
     if not retired:
         raise JobError(f"--to {to!r}: it is the newest checkpoint of run '{run_name}'; nothing to roll back")
-    rounds = [r for r, uid in lake.connect().sql("SELECT round, checkpoint_uid FROM rounds WHERE run = ?",
-                                                 params=[run_name]).fetchall() if uid in retired]
+    rounds = [r["round"] for r in lake.table("rounds").rows(run_name) if r["checkpoint_uid"] in retired]
     lake.retire("rounds", run_name, rounds)  # the rounds first: no learner may train on them meanwhile
     lake.retire("checkpoints", run_name, [by_uid[u] for u in retired])
     return Rollback(run_name, to, retired, sorted(rounds))

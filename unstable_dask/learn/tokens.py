@@ -135,3 +135,20 @@ def clip_and_step(optimizer: "torch.optim.Optimizer", grad_clip: float) -> float
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     optimizer.step()
     return float(norm)
+
+
+def rendered_ids(tokenizer: Any, prompts: Sequence[str], targets: Sequence[str], budget: int,
+                 stop: Sequence[str] = ()) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, completion ids) of rendered text no engine generated (SFT targets), tokenized as
+    the engine would have: the prompt by `engines.encode_prompts` with the engine's prompt budget,
+    the target by its own encoding (what the engine emits is a completion after the prompt ids, never
+    re-tokenized with them), then EOS, which ends a generation that stops by itself, unless the
+    target ends in a string of `stop` (model.stop: the engine stops there, keeping that text)."""
+    from unstable_dask.inference.engine import encode_prompts
+    eos = tokenizer.eos_token_id
+    ends = [t.endswith(tuple(stop)) if stop else False for t in targets]
+    if eos is None and not all(ends):
+        raise ValueError(f"tokenizer {tokenizer.name_or_path} has no EOS token to end a target with")
+    encoded = tokenizer(list(targets), add_special_tokens=False, verbose=False)["input_ids"]
+    completions = [list(ids) + ([] if end else [eos]) for ids, end in zip(encoded, ends)]
+    return encode_prompts(tokenizer, list(prompts), budget), completions

@@ -11,6 +11,8 @@ adapter files are the same either way.
 from __future__ import annotations
 
 import json
+import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, cast
@@ -20,11 +22,11 @@ import torch
 
 from unstable_dask.config import Job
 from unstable_dask.errors import JobError
-from unstable_dask.learn import algorithms
+from unstable_dask.learn import algorithms, distributed, selection
 from unstable_dask.learn.passes import Mismatch
 from unstable_dask.learn.rewards import transform_values
 from unstable_dask.learn.tokens import behaviour_logprobs, prompt_ids, tokenize
-from unstable_dask.learn.transforms import parse_transforms
+from unstable_dask.learn.transforms import Z_EPS, parse_transforms
 
 
 def model_dtype(job: Job, device: torch.device) -> torch.dtype:
@@ -133,6 +135,8 @@ class Trainer:
     def batch(self, table: pa.Table, seed: int = 0, guard_uid: Optional[str] = None) -> algorithms.Batch:
         """The tensors an update needs from the batch query's rows: exact ids, advantages, settings."""
         col = lambda name: table.column(name).to_pylist()  # noqa: E731
+        if self.spec.rows == "selected":
+            return self.selected_batch(table, seed)
         where = [f"turn {t} of game {g} (round {r})" for r, g, t in zip(col("round"), col("game_id"), col("turn"))]
         prompts = prompt_ids(self.tokenizer, col("prompt"), col("prompt_tokens"), where)
         tokens = tokenize(prompts, col("completion_token_ids"), self.cfg.max_train_len, self.pad_id)
@@ -145,6 +149,19 @@ class Trainer:
             mismatch=Mismatch(self.cfg.is_mode, self.cfg.is_cap),
             fresh=None if guard_uid is None else torch.tensor([u == guard_uid for u in col("model_uid")]),
             transform=lambda values: transform_values(self.sampling, table, values))
+
+    def selected_batch(self, table: pa.Table, seed: int = 0) -> algorithms.Batch:
+        """The Batch of selected turns (Spec.rows "selected", SFT): observation and action rendered in
+        the learner's template and tokenized as the engine would (learn/selection.py); the model's own
+        distribution (temperature 1, top-p 1), no engine log-probs, every row weighted 1."""
+        col = lambda name: table.column(name).to_pylist()  # noqa: E731
+        tokens = tokenize(*selection.token_ids(self.job, table, self.tokenizer), self.cfg.max_train_len, self.pad_id)
+        n = table.num_rows
+        return algorithms.Batch(
+            tokens=tokens, advantages=torch.ones(n, dtype=torch.float64), temperature=[1.0] * n, top_p=[1.0] * n,
+            behaviour=torch.zeros(tokens.loss_mask[:, 1:].shape), known=torch.zeros(n, dtype=torch.bool),
+            seats=list(zip(col("round"), col("game_id"), col("pid"))), turns=col("turn"),
+            final_reward=[0.0] * n, step_reward=[0.0] * n, seed=seed, mismatch=Mismatch(self.cfg.is_mode, self.cfg.is_cap))
 
     def update(self, table: pa.Table, seed: int = 0, guard_uid: Optional[str] = None) -> dict:
         """One update on a batch from the lake query (`seed`: its batch seed); returns the
@@ -168,13 +185,14 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16,
                             cache_enabled=False):
             m.update(self.algorithm.update(self, batch, self.cfg, self.device))
+        distributed.gather_mismatch(batch.mismatch)  # every rank's rows: the whole batch's metrics and guard
         m.update(batch.mismatch.metrics())
         gap = batch.mismatch.fresh_gap()
         if gap is not None and gap > self.cfg.max_logp_gap:
-            raise JobError(f"learn.max_logp_gap: the engine's log-probs differ from the learner's by {gap:.3g} nats a "
-                           f"token on average (at most {self.cfg.max_logp_gap:g} accepted; bf16 vs fp32 numerics give "
-                           "~2e-3): the rounds were not played by the weights, template or tokenizer this learner "
-                           "loaded")
+            raise JobError(f"{self.job.source}: learn.max_logp_gap: the engine's log-probs differ from the learner's by "
+                           f"{gap:.3g} nats a token on average on the rows {guard_uid} played (at most "
+                           f"{self.cfg.max_logp_gap:g} accepted; bf16 vs fp32 numerics give ~2e-3): the rounds were not "
+                           f"played by the weights, template or tokenizer of {guard_uid} that this learner loaded")
         self.updates += 1
         tokens = batch.tokens
         lengths = tokens.attention_mask.sum(-1).float()
@@ -235,8 +253,22 @@ def compute_dtype(name: str, device: torch.device, hidden_size: int) -> torch.dt
     return torch.bfloat16 if native and hidden_size >= CPU_BF16_MIN_HIDDEN else torch.float32
 
 
+def silence_tolerance(rows: int, reward: float) -> float:
+    """The largest |advantage| GroupRelativeAdvantage can give a group of `rows` turns whose rewards
+    all equal +-`reward`, from float rounding alone (eps = 2.2e-16, float64):
+    mu = sum(w r) / sum(w) sums `rows` terms twice, each sum off by at most (rows - 1) eps/2
+    relative, the products and the division by eps/2 more: |mu - R| <= rows * eps * |R|. r - mu is
+    then exact (Sterbenz: r and mu within a factor 2), and the divisor is sd + Z_EPS >= Z_EPS for
+    scale "group" and "batch" (1 for "none"), so |A| <= rows * eps * |R| / Z_EPS. Twice that, for
+    margin: three attempts all scoring 0.1 give -1.39e-9, the tolerance is 1.3e-8; a group whose
+    rewards differ has |A| of order 1 (z-scored) or of its reward gap (scale "none": gaps below
+    ~1e-7 x rows x |R| count as none)."""
+    return 2.0 * rows * sys.float_info.epsilon * reward / Z_EPS
+
+
 def drop_silent_groups(table: pa.Table, drop: bool = True) -> tuple[pa.Table, dict]:
-    """The batch without the groups ((group_id, pid)) whose every advantage is exactly 0: when
+    """The batch without the groups ((group_id, pid)) whose every advantage is 0 (to within the
+    float error of equal rewards: silence_tolerance): when
     nothing but the advantage weighs a row (`drop`) they carry no signal, and mini-batches full of
     them would make AdamW step on its momentum alone. With `drop` False (an entropy bonus or a KL
     penalty gives such rows a gradient) they stay beside groups that have signal; a batch with none at all is dropped
@@ -245,9 +277,15 @@ def drop_silent_groups(table: pa.Table, drop: bool = True) -> tuple[pa.Table, di
     1.00 -> 0.25 in one round, tests/test_learning.py). Returns the table and learner_steps
     metrics: the share of silent groups and the rows dropped."""
     keys = [f"{g}\x00{p}" for g, p in zip(table.column("group_id").to_pylist(), table.column("pid").to_pylist())]
+    rewards = table.column("step_reward").to_pylist() if "step_reward" in table.column_names else [1.0] * len(keys)
+    scale: dict[str, float] = {}  # the group's rows x its largest |reward| (what entered the sampling transforms)
+    rows: dict[str, int] = {}
+    for k, r in zip(keys, rewards):
+        rows[k] = rows.get(k, 0) + 1
+        scale[k] = max(scale.get(k, 0.0), abs(r) if r is not None and math.isfinite(r) else 0.0)
     signal: dict[str, bool] = {}
     for k, a in zip(keys, table.column("advantage").to_pylist()):
-        signal[k] = signal.get(k, False) or (a is not None and a != 0.0)
+        signal[k] = signal.get(k, False) or (a is not None and abs(a) > silence_tolerance(rows[k], scale[k]))
     keep_silent = not drop and any(signal.values())
     keep = pa.array([signal[k] or keep_silent for k in keys], pa.bool_())
     out = table.filter(keep) if len(keys) else table

@@ -80,11 +80,15 @@ class PenaltyForInvalidMove:
 
 # ---------------------------------------------------------------- sampling: over the batch
 
+# The z-scores' epsilon: A = (r - mu) / (sd + Z_EPS) (UnstableBaselines', verl's and TRL's 1e-8).
+Z_EPS = 1e-8
+
+
 def _normalize(src: str, partition: str, z_score: bool) -> str:
     over = f"OVER (PARTITION BY {partition})" if partition else "OVER ()"
     expr = f"reward - avg(reward) {over}"
     if z_score:  # population std, like np.std; + 1e-8 outside the std (UB's precedence bug fixed)
-        expr = f"({expr}) / (stddev_pop(reward) {over} + 1e-8)"
+        expr = f"({expr}) / (stddev_pop(reward) {over} + {Z_EPS})"
     return f"SELECT * REPLACE ({expr} AS reward) FROM {src}"
 
 
@@ -114,7 +118,7 @@ class GroupRelativeAdvantage:
 
     by="group" (default): a group is (group_id, pid), the G attempts of one seat of one start
     state (round.group_size); every attempt (game) weighs the same however many turns it took:
-    w = 1/n_turns of the attempt, n = sum w (the attempts), mu = sum w r / n and
+    w = 1/n_turns of the attempt, n = the attempts (distinct games), mu = sum w r / sum w and
 
       scale="group"  A = (r - mu) / (sd + 1e-8),  sd = sqrt(sum w (r - mu)^2 / (n - 1))   (GRPO)
       scale="batch"  the same with sd of the whole batch's rewards (TRL's scale_rewards="batch")
@@ -139,12 +143,15 @@ class GroupRelativeAdvantage:
         if self.by == "prompt":
             return _normalize(src, "prompt", True)
         g = "OVER (PARTITION BY group_id, pid)"
-        var = {"group": f"sum(_w * (reward - _mu) * (reward - _mu)) {g} / (sum(_w) {g} - 1)",
-               "batch": "sum(_w * (reward - _bmu) * (reward - _bmu)) OVER () / (sum(_w) OVER () - 1)"}
-        scaled = "reward - _mu" if self.scale == "none" else f"(reward - _mu) / (sqrt(greatest({var[self.scale]}, 0)) + 1e-8)"
-        return f"""SELECT * EXCLUDE (_w, _mu, _bmu, _n) REPLACE (CASE WHEN _n > 1 THEN {scaled} ELSE 0.0 END AS reward)
+        var = {"group": f"sum(_w * (reward - _mu) * (reward - _mu)) {g} / (_n - 1)",
+               "batch": "sum(_w * (reward - _bmu) * (reward - _bmu)) OVER () / (_bn - 1)"}
+        scaled = "reward - _mu" if self.scale == "none" else f"(reward - _mu) / (sqrt(greatest({var[self.scale]}, 0)) + {Z_EPS})"
+        # The attempts are counted as distinct games, not as sum(_w): 9 x (1/9) sums to 1.0000000000000002,
+        # and a one-attempt group would be taken for several.
+        return f"""SELECT * EXCLUDE (_w, _mu, _bmu, _n, _bn) REPLACE (CASE WHEN _n > 1 THEN {scaled} ELSE 0.0 END AS reward)
   FROM (SELECT *, sum(_w * reward) {g} / sum(_w) {g} AS _mu, sum(_w * reward) OVER () / sum(_w) OVER () AS _bmu,
-               sum(_w) {g} AS _n
+               count(DISTINCT (round, game_id)) {g} AS _n,
+               count(DISTINCT (group_id, pid, round, game_id)) OVER () AS _bn
         FROM (SELECT *, 1.0 / count(*) OVER (PARTITION BY group_id, pid, round, game_id) AS _w FROM {src}))"""
 
 

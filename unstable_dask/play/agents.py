@@ -1,4 +1,5 @@
-"""The builtin `random` opponent: plays a legal move parsed from the observation.
+"""The agents a seat can be played by without a model: the builtin `random` opponent, which plays
+a legal move parsed from the observation, and the experts of experts.py (`agent(name)`).
 
 Most TextArena games print the legal moves ("Available Moves: [0], [1]", "Your available actions
 are: '[check]', '[bet]'", "Valid moves: '[2, 3]'"); the last such line is the current one. Games
@@ -9,7 +10,11 @@ from __future__ import annotations
 
 import random
 import re
+from functools import lru_cache
 from typing import Callable, Optional
+
+from unstable_dask.config import RANDOM_UID, expert_parts
+from unstable_dask.play.experts import EXPERTS
 
 _LIST_LINE = re.compile(r"(available|valid|legal)\s+(moves|actions)[^\n]*", re.IGNORECASE)
 _BRACKET = re.compile(r"\[[^\[\]\n]{1,40}\]")
@@ -55,5 +60,24 @@ def random_move(env_id: str, obs: str, rng: random.Random) -> Optional[str]:
     return rng.choice(moves) if moves else None
 
 
-# The agents a seat can be played by (opponents.py: Seat.plays == "agent", Seat.source = the name).
-AGENTS: dict[str, Callable[[str, str, random.Random], Optional[str]]] = {"random": random_move}
+Agent = Callable[[str, str, random.Random], Optional[str]]  # (env_id, observation, the game's rng) -> move
+
+
+@lru_cache(maxsize=None)
+def agent(name: str) -> Agent:
+    """The move function of an agent a seat is played by (opponents.py: Seat.plays == "agent",
+    Seat.source = the name): 'random', an expert of experts.py, or its epsilon form '<expert>@<eps>'.
+    Every draw comes from the rng passed in (one per game), never from the global `random`."""
+    if name == RANDOM_UID:
+        return random_move
+    parts = expert_parts(name)
+    if parts is None:
+        raise ValueError(f"no agent is named {name!r}")
+    best, eps = EXPERTS[parts[0]], parts[1]
+
+    def move(env_id: str, obs: str, rng: random.Random) -> Optional[str]:
+        if eps and rng.random() < eps:
+            return random_move(env_id, obs, rng)
+        moves = best(obs, legal_moves(env_id, obs))
+        return rng.choice(moves) if moves else None
+    return move

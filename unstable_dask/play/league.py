@@ -5,6 +5,7 @@ Entrants. `league.entrants` specs (config.entrant_spec) resolve here, against th
 with a uid that is the seats' model_uid in the league's games:
 
   random              the random agent
+  minimax, kuhn-best  an expert agent (play/experts.py), or its epsilon form `<expert>@<eps>`
   base:<model>        a base model with no adapter (`base` is [model].base)
   <run>:ckpt-<k>      a checkpoint of a run, on that run's base model
   endpoint:<model>    an endpoint of [endpoints], by its served model id
@@ -37,10 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-from unstable_dask.config import RANDOM_UID, Job, LeagueGame, entrant_spec
+from unstable_dask.config import EXPERT_UIDS, RANDOM_UID, Job, LeagueGame, entrant_spec
 from unstable_dask.errors import JobError
 from unstable_dask.lake import Lake
-from unstable_dask.play.opponents import AdapterDir, Checkpoint, Endpoint, Opponent, RandomAgent, Seat
+from unstable_dask.play.opponents import AdapterDir, Checkpoint, Endpoint, ExpertAgent, Opponent, RandomAgent, Seat
 from unstable_dask.play.schedule import GameSpec, TaskSpec, derive_seed
 
 SPLIT = "league"
@@ -62,7 +63,7 @@ class Entrant:
 
 def describe(uid: str) -> tuple[Kind, Optional[str], Optional[str]]:
     """(kind, run, checkpoint uid or model) of a league uid: what the rate job records per entrant."""
-    if uid == RANDOM_UID:
+    if uid == RANDOM_UID or uid.partition("@")[0] in EXPERT_UIDS:
         return "agent", None, None
     prefix, _, rest = uid.partition(":")
     if prefix in ("base", "endpoint", "adapter"):  # config.KIND_PREFIXES: never a run's name here
@@ -104,6 +105,8 @@ def _expand(job: Job, lake: Lake, text: str, key: str) -> list[Entrant]:
     spec = entrant_spec(text)
     if spec.kind == "random":
         return [Entrant(RANDOM_UID, "agent", RandomAgent())]
+    if spec.kind == "expert":
+        return [Entrant(text, "agent", ExpertAgent(text))]
     if spec.kind == "base":
         model = spec.value or job.model.base
         uid = f"base:{model}"

@@ -4,6 +4,8 @@ non-learner train seats are sampled (the job's opponent strategy).
 The names a job may give an opponent (`round.opponents.fixed`, an env's `opponents`):
 
   "random"      RandomAgent   a legal move drawn from the observation (agents.py); no model
+  "minimax", "kuhn-best", "<expert>@<eps>"
+                ExpertAgent   an exact solver's move (experts.py), a random legal one with probability eps
   "base"        Checkpoint    the engine's base model, no adapter
   "ckpt-<k>"    Checkpoint    a committed checkpoint of the run: its LoRA adapter
   a folder      AdapterDir    a peft adapter folder (model_uid: the folder's name)
@@ -24,7 +26,7 @@ from typing import Literal, Optional, Union
 import numpy as np
 import trueskill
 
-from unstable_dask.config import BASE_UID, RANDOM_UID, Job
+from unstable_dask.config import BASE_UID, EXPERT_UIDS, RANDOM_UID, Job
 from unstable_dask.errors import JobError
 from unstable_dask.lake import Lake
 from unstable_dask.skill import inherited, make_env
@@ -46,6 +48,18 @@ class RandomAgent:
 
     def seat(self, pid: int, is_learner: bool = False) -> Seat:
         return Seat(pid, self.model_uid, is_learner, "agent", "random")
+
+
+@dataclass(frozen=True)
+class ExpertAgent:
+    name: str  # as the job names it, eps included: also its model_uid
+
+    @property
+    def model_uid(self) -> str:
+        return self.name
+
+    def seat(self, pid: int, is_learner: bool = False) -> Seat:
+        return Seat(pid, self.name, is_learner, "agent", self.name)
 
 
 @dataclass(frozen=True)
@@ -89,7 +103,7 @@ class Endpoint:
         return Seat(pid, self.model, is_learner, "endpoint", self.name)
 
 
-Opponent = Union[RandomAgent, Checkpoint, AdapterDir, Endpoint]
+Opponent = Union[RandomAgent, ExpertAgent, Checkpoint, AdapterDir, Endpoint]
 BASE = Checkpoint(BASE_UID, None, 0)
 
 
@@ -104,6 +118,8 @@ def parse(job: Job, name: str, checkpoints: dict[str, Checkpoint], key: str) -> 
     """The opponent a name stands for (checkpoints: the run's, by uid, the base model included)."""
     if name == RANDOM_UID:
         return RandomAgent()
+    if name.partition("@")[0] in EXPERT_UIDS:  # its eps and games were checked when the job loaded
+        return ExpertAgent(name)
     if name in job.endpoints:
         return Endpoint(name, job.endpoints[name].model)
     if name in checkpoints:

@@ -14,6 +14,10 @@ ours live under their own names:
   llama3-instruct-zs  Llama 3's own chat format: the user turn closes with <|eot_id|> and no
                       newline, and the assistant header is followed by "\\n\\n" as in its chat template
   chat                the tokenizer's own chat template around the plain-zs text
+  plain-move-only     the plain-zs wording, asking for the move alone instead of reasoning and a box:
+                      the env reads the first `[...]` of the text, so the answer is the move (pair it
+                      with `model.stop = ["]"]` to end each turn there)
+  chat-move-only      the tokenizer's own chat template around the plain-move-only text
 """
 from __future__ import annotations
 
@@ -22,10 +26,16 @@ from typing import Callable, Optional
 _ZS = "You are playing a two-player zero-sum game. Make valid actions to win."
 _SP = "You are playing a single-player game. Make valid actions to solve it completely."
 ASK = "Please reason step by step, and put your final answer within \\boxed{}."
+# No example move: one would be a move of one game only, and a bias toward it in others.
+ASK_MOVE = "Answer with your move only: one of your available moves, with its square brackets, and nothing else."
 
 
 def _plain(obs: str) -> str:
     return f"{_ZS}\nObservation: {obs}\n{ASK}"
+
+
+def _plain_move(obs: str) -> str:
+    return f"{_ZS}\nObservation: {obs}\n{ASK_MOVE}"
 
 
 def _qwen3(system: str, obs: str, think: bool = False) -> str:
@@ -55,17 +65,40 @@ TEMPLATE_FNS: dict[str, Callable[[str], str]] = {
     "plain-zs": _plain,
     "qwen3-zs-think": lambda obs: _qwen3(_ZS, obs, think=True),
     "llama3-instruct-zs": lambda obs: _llama(obs, "", "\n\n"),
+    "plain-move-only": _plain_move,
 }
-TEMPLATE_NAMES = (*TEMPLATE_FNS, "chat")
+# Templates whose text the tokenizer's own chat template wraps (the engine's chat_prompt).
+CHAT_TEMPLATE_FNS: dict[str, Callable[[str], str]] = {"chat": _plain, "chat-move-only": _plain_move}
+TEMPLATE_NAMES = (*TEMPLATE_FNS, *CHAT_TEMPLATE_FNS)
 
 
 def render_prompt(template: str, obs: str, chat_prompt: Optional[Callable[[str], str]] = None) -> str:
-    """The exact prompt text for an observation. `chat` uses the tokenizer's own chat template."""
-    if template == "chat":
+    """The exact prompt text for an observation. `chat` and `chat-move-only` use the tokenizer's own
+    chat template."""
+    if template in CHAT_TEMPLATE_FNS:
         if chat_prompt is None:
-            raise ValueError("template 'chat' needs the engine's chat_prompt")
-        return chat_prompt(_plain(obs))
+            raise ValueError(f"template {template!r} needs the engine's chat_prompt")
+        return chat_prompt(CHAT_TEMPLATE_FNS[template](obs))
     return TEMPLATE_FNS[template](obs)
+
+
+# The templates that ask for the move alone; every other one asks for it in \boxed{}.
+MOVE_ONLY_TEMPLATES = ("plain-move-only", "chat-move-only")
+# Qwen3's empty thinking block: the templates that open the answer with <think> get it closed first.
+_NO_THOUGHT = "\n\n</think>\n\n"
+
+
+def render_action(template: str, action: str) -> str:
+    """The completion that answers with `action` the way `template` asks (an SFT target): the move
+    itself (`[4]`) for the move-only templates, else `\\boxed{4}`, after Qwen3's empty thinking block
+    where the prompt ends in `<think>`. `extract_action` gives the action back (the move-only
+    templates' env reads the first `[...]`)."""
+    if template in MOVE_ONLY_TEMPLATES:
+        return action
+    inner = action[1:-1] if action.startswith("[") and action.endswith("]") and action.count("[") == 1 \
+        and action.count("]") == 1 else action  # `[4]` -> 4; extract_action adds the brackets back
+    think = template in TEMPLATE_FNS and TEMPLATE_FNS[template]("").endswith("<think>")
+    return (_NO_THOUGHT if think else "") + f"{_BOXED}{inner}}}"
 
 
 _BOXED = "\\boxed{"

@@ -20,13 +20,13 @@ import textarena as ta
 from unstable_dask.config import LEGAL_RANDOM_UID, EnvSpec, Job, LeagueGame
 from unstable_dask.errors import JobError
 from unstable_dask.lake import Lake
-from unstable_dask.play.opponents import Checkpoint, OpponentPool, RandomAgent, Seat
+from unstable_dask.play.opponents import Checkpoint, ExpertAgent, OpponentPool, RandomAgent, Seat
 
 
 @dataclass(frozen=True)
 class GameSpec:
     game_id: str
-    split: str  # train | eval | baseline (round.eval_baseline)
+    split: str  # train | eval | baseline (round.eval_baseline: one replay of each eval game per agent)
     env_id: str
     seed: int  # the env seed: one per group, so a group's games start from the same state
     group_id: str  # <run>-r<round>-<split>-g<index>: games of one start state (eval: one game each)
@@ -49,7 +49,9 @@ class TaskSpec:
 
 
 def derive_seed(*parts: int) -> int:
-    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1, np.uint64)[0] >> 1)
+    """A 63-bit seed from integer parts. The shift is on a Python int: numpy < 2 promotes
+    uint64 >> int to float64 and refuses it."""
+    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1, np.uint64)[0]) >> 1
 
 
 def check_envs(job: Job) -> None:
@@ -108,18 +110,22 @@ def schedule_games(job: Job, lake: Lake, round_: int, current: Checkpoint,
                 games.append(GameSpec(
                     game_id=f"{prefix}-{k:05d}", split=split, env_id=spec.env_id, seed=seed,
                     group_id=f"{prefix}-g{i:05d}", template=spec.template or job.model.template, seats=tuple(seats)))
-    if job.round.eval_baseline:
-        games += [baseline_twin(g) for g in games if g.split == "eval"]
+    for name in job.round.eval_baseline:
+        games += [baseline_twin(g, name) for g in games if g.split == "eval"]
     return games
 
 
-def baseline_twin(game: GameSpec) -> GameSpec:
-    """The eval game replayed with legal-random in the learner's seats: same env, seed and
-    opponents, so the learner's eval win rate and the baseline's differ only by who moved."""
-    legal = RandomAgent(LEGAL_RANDOM_UID)
-    seats = tuple(legal.seat(s.pid) if s.is_learner else s for s in game.seats)
-    return dataclasses.replace(game, game_id=game.game_id.replace("-eval-", "-baseline-"), split="baseline",
-                               group_id=game.group_id.replace("-eval-", "-baseline-"), seats=seats)
+def baseline_twin(game: GameSpec, agent: str = LEGAL_RANDOM_UID) -> GameSpec:
+    """The eval game replayed with `agent` (round.eval_baseline) in the learner's seats: same env,
+    seed and opponents, so the learner's eval score and the agent's differ only by who moved. The
+    agent's seats keep is_learner false; the report finds them as the eval twin's learner pids (same
+    run, round and seed). legal-random's ids keep their first form (`-baseline-`), so a round
+    scheduled again names the same games; another agent's carry its name (`-baseline-minimax-`)."""
+    player = RandomAgent(LEGAL_RANDOM_UID) if agent == LEGAL_RANDOM_UID else ExpertAgent(agent)
+    seats = tuple(player.seat(s.pid) if s.is_learner else s for s in game.seats)
+    tag = "-baseline-" if agent == LEGAL_RANDOM_UID else f"-baseline-{agent}-"
+    return dataclasses.replace(game, game_id=game.game_id.replace("-eval-", tag), split="baseline",
+                               group_id=game.group_id.replace("-eval-", tag), seats=seats)
 
 
 def schedule_round(job: Job, lake: Lake, round_: int, current: Checkpoint,

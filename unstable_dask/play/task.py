@@ -39,7 +39,7 @@ from unstable_dask.inference.engine import Adapter, Generation, adapter_digest
 from unstable_dask.lake import Lake
 from unstable_dask.lake import storage as st
 from unstable_dask.lake.commit import now
-from unstable_dask.play.agents import AGENTS
+from unstable_dask.play.agents import agent
 from unstable_dask.play.prompts import extract_action, render_prompt
 from unstable_dask.play.schedule import GameSpec, TaskSpec
 
@@ -159,7 +159,7 @@ class _Task:
     def agent_move(g: _Game, pid: int, obs: str, row: dict) -> str:
         row.update(prompt=None, completion=None, format_ok=None, prompt_tokens=0, completion_tokens=0,
                    completion_token_ids=None, truncated=False, logprobs=None, latency_s=0.0)
-        return AGENTS[g.spec.seats[pid].source or ""](g.spec.env_id, obs, g.agent_rng) or "[pass]"
+        return agent(g.spec.seats[pid].source or "")(g.spec.env_id, obs, g.agent_rng) or "[pass]"
 
     def prompt(self, g: _Game, pid: int, obs: str) -> str:
         seat = g.spec.seats[pid]

@@ -60,7 +60,7 @@ def mle(n_models: int, i: np.ndarray, j: np.ndarray, s: np.ndarray, n: np.ndarra
     return theta
 
 
-def _cells(pairs: Iterable[tuple[str, str, int, int, int]]) -> tuple[list[str], np.ndarray]:
+def outcome_cells(pairs: Iterable[tuple[str, str, int, int, int]]) -> tuple[list[str], np.ndarray]:
     """Canonical (sorted, merged) outcome counts: rows (i, j, wins_i, draws, wins_j) with i < j."""
     acc: dict[tuple[str, str], list[int]] = {}
     for a, b, wa, d, wb in pairs:
@@ -83,7 +83,7 @@ def fit(pairs: Iterable[tuple[str, str, int, int, int]], bootstrap: int = 200, s
     `prior`: virtual wins given to each side of every pair that met, in the fit and the resampling
     (the league's 1, as in the rule of succession: without it a pair that won its few games every
     time wins every resample, and would look certain)."""
-    models, cells = _cells(pairs)
+    models, cells = outcome_cells(pairs)
     if not models:
         empty = np.zeros(0)
         return BTResult(models=[], score=empty, ci_low=empty, ci_high=empty, rank=np.zeros(0, dtype=np.int64),

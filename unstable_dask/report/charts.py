@@ -1,6 +1,6 @@
 """The report's charts: Vega-Lite specs built with Altair, drawn in the page by Vega.
 
-Why Vega-Lite and not static SVG from matplotlib (bench/bench_report.py measured both on the same
+Why Vega-Lite and not static SVG from matplotlib (bench/report/bench_report.py measured both on the same
 lake): a spec holds only the data (about 50 bytes a point against matplotlib's 175), Python builds
 it in milliseconds instead of 100+ ms a chart, and the reader gets tooltips with the exact numbers;
 the price is the Vega bundle, about 0.9 MB inlined once per page.

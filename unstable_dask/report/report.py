@@ -18,9 +18,10 @@ from typing import Any, Optional
 
 import pyarrow as pa
 
-from unstable_dask.config import LEGAL_RANDOM_UID, Job
+from unstable_dask.config import Job
 from unstable_dask.lake import Lake
-from unstable_dask.report import arena, charts, league, pages
+from unstable_dask.lake.read import sql_str
+from unstable_dask.report import arena, charts, league, pages, strength
 from unstable_dask.report.timeline import timeline
 
 TABLE_ROUNDS = 20  # rows of the per-round tables (curves, timeline): the newest rounds
@@ -41,50 +42,52 @@ def _wilson_bounds(p: str) -> str:
 
 
 # The learning curves, one query over every run (`run report --show-sql` prints it, `run sql` runs
-# it). One row per round, split and opponent of the checkpoint that played the round (its learner
-# seats), plus opponent '*' for all its games of that split. opponent: the other seats' model_uids
-# joined by '+' ('self' when the checkpoint held every seat, 'solo' in a single-player game).
+# it). One row per round, split, player and opponent, plus opponent '*' for all the player's games
+# of that split. player: the checkpoint that played the round (its learner seats), or in split
+# `baseline` the agent of round.eval_baseline that replayed its eval games in those seats. opponent:
+# the other seats' model_uids joined by '+' ('self' when the player held every seat, 'solo' in a
+# single-player game).
 # Win rate counts draws half; invalid-move rate and format success are over the learner's turns.
 # Each carries a Wilson 95% score interval (`_wilson_terms`, z = 1.96; with draws half the successes
 # may be fractional, which the formula takes as is). Turns of one game are not independent, so the
 # turn-level interval is narrower than the truth. mu/sigma: the checkpoint's overall TrueSkill
 # after the round (`run rate`).
 CURVES_SQL = """
-WITH subject_ AS (  -- the seats under study: the learner's, and in baseline games legal-random's in its place
-    SELECT *, is_learner OR (split = 'baseline' AND model_uid = '""" + LEGAL_RANDOM_UID + """') AS subject FROM seats),
+WITH """ + strength.SUBJECT_CTES + """,
 games_ AS (
     SELECT run, round, game_id, avg(num_turns) AS num_turns, max(reward) AS best, min(reward) AS worst,
+           any_value(model_uid) FILTER (WHERE subject) AS player,
            CASE WHEN count(*) = 1 THEN 'solo' ELSE coalesce(string_agg(DISTINCT model_uid, '+' ORDER BY model_uid)
                FILTER (WHERE NOT subject), 'self') END AS opponent
     FROM subject_ GROUP BY run, round, game_id),
 seats_ AS (  -- a single-player game is won with a reward > 0 (as `run rate` counts it)
-    SELECT s.run, s.round, s.split, g.opponent, s.game_id, g.num_turns, s.reward,
+    SELECT s.run, s.round, s.split, g.player, g.opponent, s.game_id, g.num_turns, s.reward,
            CASE WHEN s.num_players = 1 THEN s.reward > 0 ELSE s.reward = g.best AND g.best > g.worst END::INT AS win,
            CASE WHEN s.num_players = 1 THEN s.reward = 0 ELSE g.best = g.worst END::INT AS draw
     FROM subject_ s JOIN games_ g USING (run, round, game_id) WHERE s.subject),
 turns_ AS (
-    SELECT t.run, t.round, t.split, g.opponent, t.format_ok, t.invalid_move, t.completion_tokens
+    SELECT t.run, t.round, t.split, g.player, g.opponent, t.format_ok, t.invalid_move, t.completion_tokens
     FROM turns t JOIN games_ g USING (run, round, game_id) WHERE t.is_learner AND t.prompt IS NOT NULL),
 by_seat AS (
-    SELECT run, round, split, CASE WHEN grouping(opponent) = 1 THEN '*' ELSE opponent END AS opponent,
+    SELECT run, round, split, player, CASE WHEN grouping(opponent) = 1 THEN '*' ELSE opponent END AS opponent,
            count(DISTINCT game_id) AS games, count(*) AS seats, sum(win)::BIGINT AS wins,  -- sum() is HUGEINT: Decimal in Python
            sum(draw)::BIGINT AS draws, (count(*) - sum(win) - sum(draw))::BIGINT AS losses, (sum(win) + 0.5 * sum(draw)) / count(*) AS win_rate,
            avg(reward) AS mean_reward, avg(num_turns) AS game_length
-    FROM seats_ GROUP BY GROUPING SETS ((run, round, split, opponent), (run, round, split))),
+    FROM seats_ GROUP BY GROUPING SETS ((run, round, split, player, opponent), (run, round, split, player))),
 by_turn AS (
-    SELECT run, round, split, CASE WHEN grouping(opponent) = 1 THEN '*' ELSE opponent END AS opponent,
+    SELECT run, round, split, player, CASE WHEN grouping(opponent) = 1 THEN '*' ELSE opponent END AS opponent,
            count(*) AS turns, avg(format_ok::DOUBLE) AS format_success, sum(invalid_move::INT) AS invalid_turns,
            sum(invalid_move::INT) / count(*) AS invalid_rate, avg(completion_tokens) AS mean_completion_tokens
-    FROM turns_ GROUP BY GROUPING SETS ((run, round, split, opponent), (run, round, split))),
+    FROM turns_ GROUP BY GROUPING SETS ((run, round, split, player, opponent), (run, round, split, player))),
 joined AS (
-    SELECT s.*, r.checkpoint_uid, t.* EXCLUDE (run, round, split, opponent), 1.959963984540054 AS z
-    FROM rounds r JOIN by_seat s USING (run, round) LEFT JOIN by_turn t USING (run, round, split, opponent)),
+    SELECT s.*, r.checkpoint_uid, t.* EXCLUDE (run, round, split, player, opponent), 1.959963984540054 AS z
+    FROM rounds r JOIN by_seat s USING (run, round) LEFT JOIN by_turn t USING (run, round, split, player, opponent)),
 wilson AS (  -- win_rate over seats, invalid_rate and format_success over turns
     SELECT *, """ + _wilson_terms("win_rate", "seats") + """,
            """ + _wilson_terms("invalid_rate", "turns") + """,
            """ + _wilson_terms("format_success", "turns") + """
     FROM joined)
-SELECT w.run, w.round, w.checkpoint_uid, w.split, w.opponent, w.games, w.wins, w.draws, w.losses,
+SELECT w.run, w.round, w.checkpoint_uid, w.split, w.player, w.opponent, w.games, w.wins, w.draws, w.losses,
        w.win_rate, """ + _wilson_bounds("win_rate") + """,
        w.turns, w.format_success, """ + _wilson_bounds("format_success") + """,
        w.invalid_rate, """ + _wilson_bounds("invalid_rate") + """,
@@ -97,11 +100,12 @@ LEFT JOIN rating_history h ON h.run = w.run AND h.round = w.round AND h.model_ui
 def round_curves(con, run_name: str, round_: Optional[int] = None) -> list[dict]:
     """CURVES_SQL rows of one run (of one round when given), eval rows first within a round."""
     where, params = ("run = ? AND round = ?", [run_name, round_]) if round_ is not None else ("run = ?", [run_name])
-    return pages.rows(con, f"SELECT * FROM ({CURVES_SQL}) WHERE {where} ORDER BY round, split DESC, opponent", params)
+    return pages.rows(con, f"SELECT * FROM ({CURVES_SQL}) WHERE {where} ORDER BY round, split DESC, player, opponent", params)
 
 
-def gather(lake: Lake, run_name: str) -> dict[str, Any]:
-    """Everything the run page shows, as plain Python values and chart specs."""
+def gather(lake: Lake, run_name: str, pool_rounds: int = 3) -> dict[str, Any]:
+    """Everything the run page shows, as plain Python values and chart specs (pooled figures over
+    the latest `pool_rounds` rounds: round.pool_rounds)."""
     con = lake.connect()
     try:
         ckpts = pages.rows(con, "SELECT uid, parent_uid, iteration FROM checkpoints WHERE run = ? ORDER BY iteration, uid", [run_name])
@@ -113,6 +117,7 @@ def gather(lake: Lake, run_name: str) -> dict[str, Any]:
         h2h = pages.rows(con, "SELECT model_a, model_b, win_rate_a, games FROM head_to_head WHERE run = ? AND env_id = '*' "
                     "AND list_contains(?, model_a) AND list_contains(?, model_b)", [run_name, overall, overall])
         curves = round_curves(con, run_name)
+        probes = strength.probe_counts(con, run_name)
         per_env = pages.rows(con, """
             SELECT g.env_id, g.split, count(DISTINCT g.game_id) AS games, avg(g.num_turns) AS game_length,
                    avg((s.reward > 0)::DOUBLE) AS learner_win_rate
@@ -144,7 +149,27 @@ def gather(lake: Lake, run_name: str) -> dict[str, Any]:
             "curves": curves, "curve_rows": _newest(curves), "curve_charts": curve_charts(curves), "per_env": per_env,
             "learner": learner, "samples": samples, "checkpoints": ckpts,
             "timeline": _newest(busy), "timeline_charts": timeline_charts(busy), "table_rounds": TABLE_ROUNDS,
-            "engine": engine[0] if engine else None}
+            "engine": engine[0] if engine else None, "strength": strength_view(curves, probes, pool_rounds)}
+
+
+def strength_view(curves: list[dict], probes: dict, k: int) -> dict[str, Any]:
+    """The latest k rounds' eval figures pooled (learner and baseline agents), the probes pooled over
+    them, and each probe's curve per player (strength.py)."""
+    window = strength.pool_window(curves, max((r["round"] for r in curves), default=-1), k)
+    rounds = sorted({r for r, *_ in probes})
+    per_round = {r: strength.probe_rows(probes, [r]) for r in rounds}
+    players = list(dict.fromkeys((p["split"], p["player"]) for rows in per_round.values() for p in rows))
+    charts_ = {}
+    for probe in strength.PROBES:
+        series = {f"{sp} {pl}": [(r, p) for r in rounds for p in per_round[r]
+                                 if (p["split"], p["player"], p["probe"]) == (sp, pl, probe)] for sp, pl in players}
+        series = {n: pts for n, pts in series.items() if pts}
+        if series:
+            charts_[f"{probe} rate per round (Wilson 95% CI)"] = charts.line(
+                {n: [(r, p["rate"]) for r, p in pts] for n, pts in series.items()}, "round", "rate", y_range=(0, 1),
+                bands={n: [(r, p["low"], p["high"]) for r, p in pts] for n, pts in series.items()})
+    return {"span": strength.span(window) if window else None, "pooled": strength.pooled(curves, window) if window else [],
+            "probes": strength.probe_rows(probes, window), "charts": charts_}
 
 
 def _newest(rows: list[dict]) -> list[dict]:
@@ -171,16 +196,25 @@ def curve_charts(curves: list[dict]) -> dict[str, Optional[dict]]:
     # Win rate is shown against each fixed opponent of the eval games (mirror games: 0.5 by construction).
     opponents = list(dict.fromkeys(r["opponent"] for r in curves if r["split"] == "eval" and r["opponent"] not in ("*", "self")))
     vs = {o: [r for r in curves if r["split"] == "eval" and r["opponent"] == o] for o in opponents}
-    # round.eval_baseline: legal-random on the same eval games, the bar a learning claim must clear
-    base = {o: [r for r in curves if r["split"] == "baseline" and r["opponent"] == o] for o in opponents}
+    # round.eval_baseline: each agent on the same eval games (legal-random: the bar a learning claim must clear)
+    agents = list(dict.fromkeys(r["player"] for r in curves if r["split"] == "baseline"))
+    base = {(a, o): [r for r in curves if r["split"] == "baseline" and r["player"] == a and r["opponent"] == o]
+            for a in agents for o in opponents}
     rated = [r for r in every["eval"] or every["train"] if r["mu"] is not None]
     wins = {vs_name(o): pts(rows, "win_rate") for o, rows in vs.items()} | \
-        {f"{LEGAL_RANDOM_UID} {vs_name(o)}": pts(rows, "win_rate") for o, rows in base.items() if rows}
+        {f"{a} {vs_name(o)}": pts(rows, "win_rate") for (a, o), rows in base.items() if rows}
     win_ci = {vs_name(o): ci(rows, "win_rate") for o, rows in vs.items()} | \
-        {f"{LEGAL_RANDOM_UID} {vs_name(o)}": ci(rows, "win_rate") for o, rows in base.items() if rows}
+        {f"{a} {vs_name(o)}": ci(rows, "win_rate") for (a, o), rows in base.items() if rows}
+    # Against minimax a perfect learner draws every game, so its win rate (draws half) stays at 0.5.
+    # A baseline expert's draws there are the ceiling (minimax replaying the games draws them all).
+    named = {vs_name(o): rows for o, rows in vs.items()} | {f"{a} {vs_name(o)}": rows for (a, o), rows in base.items()}
+    draws = {n: [(r["round"], r["draws"] / (r["wins"] + r["draws"] + r["losses"])) for r in rows]
+             for n, rows in named.items() if any(r["draws"] for r in rows)}
     return {
         "Eval win rate against each fixed opponent (draws half), Wilson 95% CI":
             charts.line(wins, "round", "win rate", bands=win_ci, y_range=(0, 1)),
+        **({"Eval draw rate against each fixed opponent (opponents with a draw)":
+            charts.line(draws, "round", "draw rate", y_range=(0, 1))} if draws else {}),
         "Invalid-move rate of the learner's turns, Wilson 95% CI":
             charts.line({sp: pts(rows, "invalid_rate") for sp, rows in every.items()}, "round", "invalid-move rate",
                         bands={sp: ci(rows, "invalid_rate") for sp, rows in every.items()}, y_range=(0, 1)),
@@ -220,11 +254,19 @@ def timeline_charts(busy: list[dict]) -> dict[str, Optional[dict]]:
 NOT_CURVES = {"iteration", "run", "step", "update", "batch_seed"}
 
 
-def learner_columns(con) -> list[str]:
-    """The numeric learner_steps columns that are curves (also what `trackers` mirrors)."""
+def learner_columns(con) -> dict[str, str]:
+    """The learner_steps curves (also what `trackers` mirrors), {name: SQL expression}: the numeric
+    columns, then every name of the algorithms' `metrics` maps (lakes written before the map hold
+    those as columns: the first part finds them there)."""
     schema = con.sql("SELECT * FROM learner_steps LIMIT 0").to_arrow_table().schema
-    return [f.name for f in schema if f.name not in NOT_CURVES
-            and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))]
+    out = {f.name: quote_ident(f.name) for f in schema if f.name not in NOT_CURVES
+           and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))}
+    keys = con.sql("SELECT DISTINCT unnest(map_keys(metrics)) AS k FROM learner_steps ORDER BY k").fetchall()
+    return out | {k: f"metrics[{sql_str(k)}]" for (k,) in keys if k not in out}
+
+
+def quote_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
 
 
 def _learner(con, run_name: str) -> Optional[dict]:
@@ -232,8 +274,8 @@ def _learner(con, run_name: str) -> Optional[dict]:
     cols = learner_columns(con)
     if not cols:
         return None
-    # Column names come from the lake's own schema, quoted as identifiers; values stay parameters.
-    avgs = ", ".join(f'avg("{c}") AS "{c}"' for c in (c.replace('"', '""') for c in cols))
+    # Names come from the lake's own schema and maps, quoted; values stay parameters.
+    avgs = ", ".join(f"avg({expr}) AS {quote_ident(c)}" for c, expr in cols.items())
     rows = pages.rows(con, f"SELECT iteration, {avgs} FROM learner_steps WHERE run = ? GROUP BY iteration ORDER BY iteration", [run_name])
     drawn = [c for c in cols if any(r[c] is not None and math.isfinite(r[c]) for r in rows)]
     return charts.facets(rows, "iteration", drawn)
@@ -262,7 +304,7 @@ def report(job: Job) -> Path:
     lake, root, run_name = Lake(job.run.lake), Path(job.run.reports), job.run.name
     env = pages.env()
     page = root / run_name / "index.html"
-    pages.write(page, env.get_template("run.html.j2").render(**gather(lake, run_name)))
+    pages.write(page, env.get_template("run.html.j2").render(**gather(lake, run_name, job.round.pool_rounds)))
     con = lake.connect()
     try:
         rated = set(league.leagues(con))

@@ -8,9 +8,6 @@ intervals, so a worker playing 16 games at once for 10 s is busy 10 s, not 160.
 """
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Optional
-
 Interval = tuple[float, float]
 
 
@@ -25,22 +22,25 @@ def union_seconds(intervals: list[Interval], lo: float, hi: float) -> float:
     return total
 
 
-def _ts(t: Optional[datetime]) -> Optional[float]:
-    return None if t is None else t.timestamp()
+def _seconds(column: str) -> str:
+    """A TIMESTAMPTZ column as seconds since the epoch, computed by DuckDB: fetching the timestamp
+    itself into Python needs pytz under duckdb < 2.0.1, which pandas 3 no longer brings along."""
+    return f"epoch_us({column}) / 1e6"
 
 
 def timeline(con, run_name: str) -> list[dict]:
     """One row per committed round: wall_s, each worker's busy share of the round (workers, sorted
     by name), the learner's busy seconds inside the round and in the gap before the next round."""
-    rounds = [(r, _ts(a), _ts(b)) for r, a, b in con.sql(
-        "SELECT round, started_at, committed_at FROM rounds WHERE run = ? ORDER BY round", params=[run_name]).fetchall()]
+    rounds = con.sql(f"SELECT round, {_seconds('started_at')}, {_seconds('committed_at')} FROM rounds WHERE run = ? "
+                     "ORDER BY round", params=[run_name]).fetchall()
     games: dict[int, dict[str, list[Interval]]] = {}
-    for r, worker, a, b in con.sql("SELECT round, worker, started_at, finished_at FROM games WHERE run = ?",
-                                   params=[run_name]).fetchall():
+    for r, worker, a, b in con.sql(f"SELECT round, worker, {_seconds('started_at')}, {_seconds('finished_at')} "
+                                   "FROM games WHERE run = ?", params=[run_name]).fetchall():
         if a is not None and b is not None:
-            games.setdefault(r, {}).setdefault(worker or "?", []).append((a.timestamp(), b.timestamp()))
-    learner = [(t.timestamp() - (s or 0.0), t.timestamp()) for t, s in con.sql(
-        "SELECT created_at, step_time_s FROM learner_steps WHERE run = ?", params=[run_name]).fetchall() if t is not None]
+            games.setdefault(r, {}).setdefault(worker or "?", []).append((a, b))
+    learner = [(t - (s or 0.0), t) for t, s in con.sql(
+        f"SELECT {_seconds('created_at')}, step_time_s FROM learner_steps WHERE run = ?",
+        params=[run_name]).fetchall() if t is not None]
     out = []
     for i, (r, start, end) in enumerate(rounds):
         if start is None or end is None or end <= start:

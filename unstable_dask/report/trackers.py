@@ -34,7 +34,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from unstable_dask.config import Job
+from unstable_dask.config import LEGAL_RANDOM_UID, Job
 from unstable_dask.errors import JobError
 from unstable_dask.lake import Lake
 from unstable_dask.report import report
@@ -69,7 +69,7 @@ def lake_series(lake: Lake, run_name: str) -> dict[str, list[dict]]:
         history = rows("""SELECT round, model_uid, mu, sigma, conservative FROM rating_history
                           WHERE run = ? AND env_id = '*' ORDER BY round, model_uid""")
         cols = report.learner_columns(con)
-        quoted = ", ".join('"' + c.replace('"', '""') + '"' for c in cols)
+        quoted = ", ".join(f"{expr} AS {report.quote_ident(c)}" for c, expr in cols.items())
         steps = rows(f"""SELECT iteration, {quoted} FROM learner_steps WHERE run = ? ORDER BY iteration, "update" """)
     finally:
         con.close()
@@ -81,7 +81,9 @@ def lake_series(lake: Lake, run_name: str) -> dict[str, list[dict]]:
                                        "round/tokens_per_s": tps}) | {"round": c["round"]}
     for r in curves:
         opponent = "all" if r["opponent"] == "*" else r["opponent"]
-        prefix = _key(f"round/{r['split']}/{opponent}/")
+        # one baseline split per agent of round.eval_baseline; legal-random's keeps its first name
+        split = r["split"] if r["split"] != "baseline" or r["player"] == LEGAL_RANDOM_UID else f"baseline-{r['player']}"
+        prefix = _key(f"round/{split}/{opponent}/")
         by_round[r["round"]].update(_clean({prefix + k: r[k] for k in ROUND_COLUMNS}))
     played = {c["round"]: c["checkpoint_uid"] for c in commits}
     rated: dict[int, dict] = {}

@@ -9,8 +9,10 @@ style: its math in the module docstring, then
                                 own, each with its default and a docstring, and its default reward
                                 transforms; `algorithm` is a Literal of its name
     def update(models, batch, args: Config, device) -> dict
-                                one update on one sampled batch; returns learner_steps metrics
-                                (every key a learner_steps column)
+                                one update on one sampled batch; returns its metrics, numbers
+                                by name: learner_steps' own columns where one has the name, the
+                                rest (the algorithm's own: A2C's value_loss, GRPO's clip_frac)
+                                in its `metrics` map, so a new metric needs no schema edit
 
 jobfile.py validates a job's `[learn]` table with the Config of the algorithm it names, so a key
 that algorithm does not have is refused. Algorithm files import torch inside their functions,
@@ -36,6 +38,7 @@ ALGORITHMS = {
     "a2c": "unstable_dask.learn.algorithms.a2c",
     "grpo": "unstable_dask.learn.algorithms.grpo",
     "gspo": "unstable_dask.learn.algorithms.gspo",
+    "sft": "unstable_dask.learn.algorithms.sft",
 }
 
 
@@ -48,9 +51,15 @@ class Spec:
     # "rewards": sampling transforms run in the batch query, on the rewards; "advantages": the
     # update applies them to the advantages it computes itself (Batch.transform, e.g. A2C's GAE).
     sampling_on: str = "rewards"
-    behaviour_logprobs: bool = False  # update reads Batch.old_logp (importance ratios)
+    behaviour_logprobs: bool = False  # update reads Batch.behaviour, the engine's log-probs (importance weights)
     critic: bool = False  # the trainer builds a value model (Models.critic)
     needs_groups: bool = False  # round.group_size >= 2 (group-relative advantages)
+    # Where the rows come from. "played": the learner's own turns as the engine generated them, through
+    # the job's reward transforms (rewards.batch_query), with the guards of played rows: exact token
+    # ids, served weights, max_staleness. "selected": any turns the job's `learn.select` SELECT picks
+    # (an expert's), their observation and action rendered in the learner's template and tokenized as
+    # the engine would (learn/selection.py): no engine made them, so those guards do not apply (SFT).
+    rows: str = "played"
 
 
 class Models(Protocol):

@@ -26,6 +26,7 @@ from typing import Literal, Sequence
 
 from pydantic import Field
 
+from unstable_dask.learn import distributed
 from unstable_dask.learn.algorithms import Batch, Models, Spec, reinforce
 from unstable_dask.learn.tokens import clip_and_step, micro_batches
 
@@ -35,6 +36,7 @@ SPEC = Spec(unit="seat", sampling_on="advantages", critic=True)
 class Config(reinforce.Config):
     """[learn] with algorithm = "a2c": REINFORCE's settings (the actor's step) plus the critic's."""
     algorithm: Literal["a2c"] = "a2c"  # type: ignore[assignment]
+    """The algorithm: advantage actor-critic over whole seats, GAE on a learned value."""
     critic_lr: float = Field(5e-5, gt=0.0, le=1.0)
     """AdamW learning rate of the critic (its own LoRA adapter and value head)."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
@@ -42,6 +44,7 @@ class Config(reinforce.Config):
     gae_lambda: float = Field(1.0, ge=0.0, le=1.0)
     """GAE lambda (UnstableBaselines: 1)."""
     final_transforms: list[str] = ["RoleAdvantageByEnvFormatter()"]
+    """Reward transforms once per game and learner seat; default as REINFORCE's (UnstableBaselines')."""
     sampling_transforms: list[str] = []
     """Applied to the GAE advantages, not the rewards (UB's normalize_adv=True is
     ["NormalizeRewardsByEnv(z_score=True)"]); default none, as UB's."""
@@ -99,13 +102,14 @@ def update(models: Models, batch: Batch, args: Config, device) -> dict:
     critic_optimizer.zero_grad(set_to_none=True)
     target = torch.tensor(ret, dtype=torch.float32)
     vloss_sum, mae_sum = 0.0, 0.0
-    for mb in batches:
+    for mb in distributed.shard(batches):  # this rank's micro-batches (all of them in one process)
         err = critic_values(critic, tokens.input_ids[mb].to(device), tokens.attention_mask[mb].to(device),
                      tokens.last_prompt[mb]).float() - target[mb].to(device)
         loss = 0.5 * (err ** 2).sum() / n  # 0.5 * MSE over the batch, accumulated over micro-batches
         loss.backward()
         vloss_sum += loss.item()
         mae_sum += err.detach().abs().sum().item()
+    vloss_sum, mae_sum = distributed.reduce_step(critic_optimizer, dict(v=vloss_sum, mae=mae_sum)).values()
     critic_norm = clip_and_step(critic_optimizer, args.grad_clip)
     actor.update(value_loss=vloss_sum, value_mae=mae_sum / n, critic_grad_norm=critic_norm, critic_lr=args.critic_lr,
                  loss=actor["loss"] + vloss_sum, advantage_mean=adv.mean().item(),

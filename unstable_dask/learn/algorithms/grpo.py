@@ -52,7 +52,7 @@ from typing import Callable, Literal, Optional
 from pydantic import Field, ValidationInfo, field_validator
 
 from unstable_dask.config import MAX_EPOCHS, LearnConfig
-from unstable_dask.learn import passes
+from unstable_dask.learn import distributed, passes
 from unstable_dask.learn.algorithms import Batch, Models, Spec
 from unstable_dask.learn.tokens import clip_and_step
 
@@ -66,17 +66,21 @@ class PPOConfig(LearnConfig):
     per sequence over its length ("seq-mean-token-mean", verl's and TRL's "grpo"), or over all the
     step's tokens ("token-mean", DAPO)."""
     max_generation_len: Optional[int] = Field(None, gt=0)
-    """The "constant" divisor; None: [model].max_new_tokens (filled in when the job is loaded)."""
+    """The "constant" divisor; unset: [model].max_new_tokens (filled in when the job is loaded)."""
     kl_coef: float = Field(0.0, ge=0.0)
     """Weight of the k3 KL to the frozen base model (0: no reference forward pass); each token's k3
     is clamped at 10, as verl does."""
     ppo_epochs: int = Field(1, gt=0, le=MAX_EPOCHS)
     """Passes over one sampled batch (verl's ppo_epochs)."""
     ppo_mini_batch_size: Optional[int] = Field(None, gt=0)
-    """Rows per optimizer step inside an epoch (verl's ppo_mini_batch_size); None: the whole batch.
+    """Rows per optimizer step inside an epoch (verl's ppo_mini_batch_size); unset: the whole batch.
     Between mini_batch_size and batch_size."""
     final_transforms: list[str] = []
+    """Reward transforms once per game and learner seat; default none: the group's comparison is the
+    baseline."""
     sampling_transforms: list[str] = ["GroupRelativeAdvantage()"]
+    """Reward transforms over the sampled batch; default: the group-relative advantage, each reward
+    minus its group's mean over the group's standard deviation (GRPO)."""
 
     def silent_rows_have_gradient(self) -> bool:
         return self.kl_coef > 0 or super().silent_rows_have_gradient()
@@ -93,6 +97,7 @@ class PPOConfig(LearnConfig):
 class Config(PPOConfig):
     """[learn] with algorithm = "grpo"."""
     algorithm: Literal["grpo"] = "grpo"
+    """The algorithm: GRPO, a clipped token-ratio objective on group-relative advantages."""
     clip_ratio: float = Field(0.2, gt=0.0)
     """PPO's token-ratio clip: ratio kept within [1 - clip_ratio, 1 + clip_ratio]."""
     clip_ratio_c: float = Field(3.0, ge=0.0)
@@ -152,21 +157,30 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
         model.eval()
         with torch.no_grad():
             for step in epochs[0]:
-                for rows in step:
+                for rows in distributed.shard(step):  # this rank's micro-batches (all in one process)
                     p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device)
                     old_all[rows, p.start:p.end] = p.logp.cpu()
                     weigh(p, p.logp)
                     batch.mismatch.add_entropy(p.entropy([batch.temperature[i] for i in rows],
                                                          [batch.top_p[i] for i in rows], grad=False), p.mask)
+        distributed.share_rows([i for step in epochs[0] for rows in distributed.shard(step) for i in rows],
+                               old_all, w_all, keep_all)
+    # The completion tokens the IS weights keep (is_mode = "mask" drops some from the loss and from
+    # "token-mean"'s normaliser); with one step they are known only after a no-grad pass.
+    kept_all = tokens.loss_mask[:, 1:] * (keep_all.unsqueeze(-1) if per_sequence else keep_all)
+    mask_mean = batch.mismatch.mode == "mask" and args.normalization == "token-mean"
     model.train()
     steps = []
     for epoch in epochs:
         for step in epoch:
             m = sum(len(rows) for rows in step)
-            step_tokens = int(tokens.loss_mask[[i for rows in step for i in rows]].sum())
+            step_rows = [i for rows in step for i in rows]
+            step_tokens = int(tokens.loss_mask[step_rows].sum())
+            step_kept = (int(kept_all[step_rows].sum()) if several else
+                         passes.kept_tokens(model, batch, step, device, per_sequence) if mask_mean else step_tokens)
             optimizer.zero_grad(set_to_none=True)
             s = dict(loss=0.0, pg_loss=0.0, kl=0.0, logp=0.0, ppo_kl=0.0, tokens=0.0, clipped=0.0, counted=0.0)
-            for rows in step:  # gradient accumulation over micro-batches
+            for rows in distributed.shard(step):  # gradient accumulation over (this rank's) micro-batches
                 temp, top = [batch.temperature[i] for i in rows], [batch.top_p[i] for i in rows]
                 p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device)
                 entropy = p.entropy(temp, top, grad=True) if args.entropy_coef > 0 else None
@@ -180,10 +194,10 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
                 if per_sequence:
                     w, mask = w_all[rows].to(old.device), p.mask * keep_all[rows].to(old.device).unsqueeze(-1)
                 else:
-                    w, mask = p.take(w_all), p.take(keep_all)
+                    w, mask = p.take(w_all), p.take(keep_all) * p.mask  # keep_all is 1 outside the first pass's windows
                 adv = batch.advantages[rows].to(device, p.logp.dtype)
                 per_token, clipped = objective(p.logp, old, w, mask, adv, args)
-                pg = passes.aggregate(per_token, mask, args.normalization, args.max_generation_len, m, step_tokens)
+                pg = passes.aggregate(per_token, mask, args.normalization, args.max_generation_len, m, step_kept)
                 loss, kl = pg, torch.zeros((), device=device)
                 if args.kl_coef > 0:  # k3 to the frozen base at temperature T, without top-p (same support)
                     ones = [1.0] * batch.size
@@ -191,7 +205,7 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
                         ref = passes.forward(model, tokens, rows, batch.temperature, ones, device).logp
                     d = ref - p.relogprobs(temp, [1.0] * len(rows))
                     k3 = (d.exp() - d - 1).clamp(max=10.0)
-                    kl = passes.aggregate(k3, mask, args.normalization, args.max_generation_len, m, step_tokens)
+                    kl = passes.aggregate(k3, mask, args.normalization, args.max_generation_len, m, step_kept)
                     loss = loss + args.kl_coef * kl
                 if entropy is not None:
                     loss = loss - args.entropy_coef * passes.aggregate(entropy, p.mask, args.normalization,
@@ -211,6 +225,7 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
                     kept = mask.sum(-1) > 0
                     s["clipped"] += float((clipped & kept).sum())
                     s["counted"] += float(kept.sum())
+            s = distributed.reduce_step(optimizer, s)  # over the ranks, before the clip
             skipped = passes.step_is_zero(optimizer)
             s["grad_norm"] = 0.0 if skipped else clip_and_step(optimizer, args.grad_clip)
             s["skipped"] = float(skipped)

@@ -32,6 +32,7 @@ SPEC = Spec(unit="group", behaviour_logprobs=True, needs_groups=True)
 class Config(grpo.PPOConfig):
     """[learn] with algorithm = "gspo": GRPO's settings but its token clip, plus the sequence clip."""
     algorithm: Literal["gspo"] = "gspo"
+    """The algorithm: GSPO, GRPO with the ratio and its clip taken per sequence."""
     normalization: Literal["constant", "seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean"
     """How the per-sequence terms become the loss (see grpo.py); the default is the paper's mean
     over sequences."""

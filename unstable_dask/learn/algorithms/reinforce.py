@@ -27,7 +27,7 @@ from typing import Literal, Optional
 from pydantic import Field
 
 from unstable_dask.config import LearnConfig
-from unstable_dask.learn import passes
+from unstable_dask.learn import distributed, passes
 from unstable_dask.learn.algorithms import Batch, Models, Spec
 from unstable_dask.learn.tokens import clip_and_step
 
@@ -37,13 +37,17 @@ SPEC = Spec(unit="turn")
 class Config(LearnConfig):
     """[learn] with algorithm = "reinforce"."""
     algorithm: Literal["reinforce"] = "reinforce"
+    """The algorithm: REINFORCE on single turns."""
     normalization: Literal["constant", "seq-mean-token-mean", "token-mean"] = "constant"
     """How token terms become the loss: per sequence over max_generation_len ("constant", Dr. GRPO),
     per sequence over its length ("seq-mean-token-mean"), or over the batch's tokens ("token-mean")."""
     max_generation_len: Optional[int] = Field(None, gt=0)
-    """The "constant" divisor; None: [model].max_new_tokens (filled in when the job is loaded)."""
+    """The "constant" divisor; unset: [model].max_new_tokens (filled in when the job is loaded)."""
     final_transforms: list[str] = ["RoleAdvantageByEnvFormatter()"]
+    """Reward transforms once per game and learner seat; default (UnstableBaselines'): the final
+    reward minus its role's running average, an EMA per env and seat."""
     sampling_transforms: list[str] = ["NormalizeRewardsByEnv(z_score=True)"]
+    """Reward transforms over the sampled batch; default: rewards z-scored per env (UnstableBaselines')."""
 
 
 def update(models: Models, batch: Batch, args: Config, device) -> dict:
@@ -54,8 +58,11 @@ def update(models: Models, batch: Batch, args: Config, device) -> dict:
     optimizer.zero_grad(set_to_none=True)
     (step,), = passes.plan(tokens.attention_mask.sum(-1).tolist(), None, args.mini_batch_size, 1, batch.seed)
     n_tokens = int(tokens.loss_mask.sum())
+    # is_mode = "mask" drops tokens from the loss and from "token-mean"'s normaliser: count them first
+    n_kept = (passes.kept_tokens(model, batch, step, device)
+              if batch.mismatch.mode == "mask" and args.normalization == "token-mean" else n_tokens)
     loss_sum, pg_sum, logp_sum = 0.0, 0.0, 0.0
-    for rows in step:
+    for rows in distributed.shard(step):  # this rank's micro-batches (all of them in one process)
         p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device)
         old = p.logp.detach()  # theta = theta_old in the one optimizer step
         w, mask = batch.mismatch.weights(old, p.take(batch.behaviour), batch.known[rows].to(old.device), p.mask,
@@ -64,7 +71,7 @@ def update(models: Models, batch: Batch, args: Config, device) -> dict:
                             grad=args.entropy_coef > 0)
         batch.mismatch.add_entropy(entropy, p.mask)
         adv = batch.advantages[rows].to(device, p.logp.dtype).unsqueeze(-1)
-        pg = -passes.aggregate(adv * w * p.logp, mask, args.normalization, args.max_generation_len, n, n_tokens)
+        pg = -passes.aggregate(adv * w * p.logp, mask, args.normalization, args.max_generation_len, n, n_kept)
         loss = pg
         if args.entropy_coef > 0:
             loss = pg - args.entropy_coef * passes.aggregate(entropy, p.mask, args.normalization,
@@ -73,6 +80,7 @@ def update(models: Models, batch: Batch, args: Config, device) -> dict:
         loss_sum += loss.item()
         pg_sum += pg.item()
         logp_sum += passes.aggregate(old, p.mask, args.normalization, args.max_generation_len, n, n_tokens).item()
+    loss_sum, pg_sum, logp_sum = distributed.reduce_step(optimizer, dict(loss=loss_sum, pg=pg_sum, logp=logp_sum)).values()
     skipped = passes.step_is_zero(optimizer)
     grad_norm = 0.0 if skipped else clip_and_step(optimizer, args.grad_clip)
     return dict(loss=loss_sum, pg_loss=pg_sum, logp_mean=logp_sum, grad_norm=grad_norm,

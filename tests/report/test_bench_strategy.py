@@ -1,0 +1,89 @@
+"""bench/report/bench_strategy.py's record of a run, on a lake written by real rounds: an SFT start
+(learn.algorithm = "sft" on minimax's train moves), then REINFORCE; `final` pooled over the last 3
+rounds, the learner beside legal-random and minimax on the same eval games."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from unstable_dask.config import LEGAL_RANDOM_UID
+from unstable_dask.jobfile import load_job
+from unstable_dask.lake import Lake
+from unstable_dask.learn.learner import learn
+from unstable_dask.play.round import play_round
+from unstable_dask.report import strength
+
+ROOT = Path(__file__).resolve().parents[2]
+TTT = {"env_id": "TicTacToe-v0-train", "num_players": 2, "num_actors": 1}
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_strategy", ROOT / "bench" / "report" / "bench_strategy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _job(tmp_path, **learn):
+    over = {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"), "run.seed": 7,
+            "model.max_new_tokens": 8, "round.train_games": 8, "round.eval_games": 8, "round.games_per_task": 8,
+            "round.concurrency": 8, "round.train_envs": [TTT], "round.eval_envs": [TTT | {"opponents": ["random"]}],
+            "round.opponents": {"strategy": "fixed", "fixed": ["minimax"]},
+            "round.eval_baseline": [LEGAL_RANDOM_UID, "minimax"],
+            "learn.batch_size": 8, "learn.mini_batch_size": 8, "learn.gradient_checkpointing": False}
+    return load_job("jobs/demo.toml", over | {f"learn.{k}": v for k, v in learn.items()})
+
+
+def _scores(lake: Lake, split: str, rounds: list[int], uid_is: str) -> tuple[float, int]:
+    """Score (win, draws half) of the seats under study, straight from the seats (not the report's query)."""
+    rows = lake.sql(f"""SELECT s.reward, max(o.reward) AS other FROM seats s JOIN seats o ON o.game_id = s.game_id
+                        AND o.pid <> s.pid WHERE s.split = '{split}' AND {uid_is} AND list_contains(?, s.round)
+                        GROUP BY s.game_id, s.pid, s.reward""", params=[rounds]).to_pylist()
+    return sum(1.0 if r["reward"] > r["other"] else 0.5 if r["reward"] == r["other"] else 0.0 for r in rows) / len(rows), len(rows)
+
+
+@pytest.mark.slow
+def test_strategy_record_of_a_real_run(tmp_path, local_client):
+    sft, rl = _job(tmp_path, algorithm="sft"), _job(tmp_path)
+    play_round(sft, client=local_client)
+    learn(sft)  # ckpt-1: SFT on minimax's train moves
+    for _ in range(3):
+        play_round(rl, client=local_client)
+        learn(rl)
+    lake = Lake(rl.run.lake)
+    bench = _bench()
+    con = lake.connect()
+    try:
+        rec = bench.run_rows(con, rl.run.name)
+    finally:
+        con.close()
+    assert (rec["game"], rec["seed"], rec["model"], rec["start"]) == ("TicTacToe", 7, "builtin:tiny", "ckpt-1")
+    assert rec["job"]["round"]["eval_baseline"] == [LEGAL_RANDOM_UID, "minimax"] and rec["wall_minutes"] > 0
+    f = rec["final"]
+    assert f["rounds"] == [1, 2, 3] and f["games"] == 24 and f["legal_random_games"] == 24
+    score, n = _scores(lake, "eval", [1, 2, 3], "s.is_learner")
+    assert n == 24 and f["score"] == pytest.approx(score)
+    assert f["score_ci"] == pytest.approx(list(strength.wilson(score * n, n)))
+    lr, n = _scores(lake, "baseline", [1, 2, 3], f"s.model_uid = '{LEGAL_RANDOM_UID}'")
+    assert n == 24 and f["legal_random_score"] == pytest.approx(lr)
+    assert f["legal_random_ci"][0] <= lr <= f["legal_random_ci"][1]
+    mm, n = _scores(lake, "baseline", [1, 2, 3], "s.model_uid = 'minimax'")
+    assert f["baselines"]["minimax"]["score"] == pytest.approx(mm) and f["baselines"]["minimax"]["games"] == 24
+    draws = lake.sql("""SELECT avg((s.reward = o.reward)::DOUBLE) AS d FROM seats s JOIN seats o ON o.game_id = s.game_id
+                        AND o.pid <> s.pid WHERE s.split = 'baseline' AND s.model_uid = 'minimax' AND s.round >= 1""").to_pylist()
+    assert f["minimax_draw_rate"] == pytest.approx(draws[0]["d"])
+
+    # `loop`'s line and the run page pool the same rounds
+    from unstable_dask.loop import round_summary
+    from unstable_dask.report import report
+    lines = "\n".join(round_summary(rl, 3))
+    lo, hi = f["score_ci"]
+    assert f"eval vs random pooled over rounds 1-3: score {f['score']:.2f} [{lo:.2f}, {hi:.2f}] (24 games" in lines
+    assert f"; legal-random {f['legal_random_score']:.2f}" in lines and "; minimax " in lines
+    html = report.report(rl).read_text()
+    section = html[html.index('id="strength"'):html.index('id="history"')]
+    assert "pooled over rounds 1-3" in section and 'id="probes-table"' in section
+    for who in ("learner", LEGAL_RANDOM_UID, "minimax", "take-a-win"):
+        assert f">{who}<" in section, who

@@ -1,0 +1,207 @@
+"""Strength you can see: round.eval_baseline agents replaying the eval games, per-state probes read
+from the lake's turns, and figures pooled over rounds, on real TextArena games."""
+from __future__ import annotations
+
+import pytest
+import textarena as ta
+
+from unstable_dask.config import BASE_UID, LEGAL_RANDOM_UID
+from unstable_dask.errors import JobError
+from unstable_dask.jobfile import load_job
+from unstable_dask.lake import Lake
+from unstable_dask.play.envs import register_envs
+from unstable_dask.play.experts import value
+from unstable_dask.play.opponents import list_checkpoints
+from unstable_dask.play.schedule import schedule_round
+from unstable_dask.play.task import play_task
+from unstable_dask.report import strength
+from unstable_dask.report.report import round_curves
+
+TTT = "TicTacToe-v0-train"
+LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
+
+
+def _env(env_id: str, seed: int):
+    register_envs()
+    env = ta.make(env_id)
+    env.reset(num_players=2, seed=seed)
+    return env
+
+
+def _job(tmp_path, **over):
+    base = {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"), "model.max_new_tokens": 8,
+            "round.train_games": 0, "round.games_per_task": 16, "round.concurrency": 16}
+    return load_job("jobs/demo.toml", base | over)
+
+
+# ---------------------------------------------------------------- the probes on real observations
+
+def test_probes_read_real_tictactoe_states():
+    env = _env(TTT, 0)
+    for move in ("[0]", "[3]", "[1]"):  # O takes 0 and 1: X (to move) must block 2 and has no win
+        env.step(move)
+    _, obs = env.get_observation()
+    assert strength.classify(TTT, obs, "I block: [2]") == {"forced-block": True}
+    assert strength.classify(TTT, obs, "[5]") == {"forced-block": False}
+    assert strength.classify(TTT, obs, "no move at all") == {"forced-block": False}
+    env.step("[4]")  # X blocks nothing; O can win at 2
+    _, obs = env.get_observation()
+    assert strength.classify(TTT, obs, "[2]") == {"take-a-win": True}
+    assert strength.classify(TTT, obs, "[8] then [2]") == {"take-a-win": False}  # the env reads the first
+    first = _env(TTT, 0).get_observation()[1]
+    assert strength.classify(TTT, first, "[4]") == {}  # nothing to win or block
+
+
+def test_probes_read_real_kuhn_states():
+    env_id = "KuhnPoker-v0-single-train"
+    seen = set()
+    for seed in range(40):
+        env = _env(env_id, seed)
+        _, obs = env.get_observation()  # player 1 opens the first hand
+        card = obs.rsplit("Your card is: '", 1)[1][0]
+        if card == "K":
+            assert strength.classify(env_id, obs, "[bet]") == {"bet-with-K": True}
+            assert strength.classify(env_id, obs, "[check]") == {"bet-with-K": False}
+            seen.add("K")
+        env.step("[bet]")
+        _, obs = env.get_observation()  # player 0 faces the bet
+        card = obs.rsplit("Your card is: '", 1)[1][0]
+        if card == "J":
+            assert strength.classify(env_id, obs, "[Fold]") == {"fold-with-J": True}
+            assert strength.classify(env_id, obs, "[call]") == {"fold-with-J": False}
+            seen.add("J")
+        elif card == "Q":
+            assert strength.classify(env_id, obs, "[fold]") == {}
+    assert seen == {"K", "J"}
+
+
+def test_wilson_interval_by_hand():
+    # p = 0.375, n = 20: centre (p + z^2/2n) / (1 + z^2/n) = 0.3952, half-width 0.1954
+    low, high = strength.wilson(7.5, 20)
+    assert (round(low, 4), round(high, 4)) == (0.1998, 0.5905)
+    assert strength.wilson(0, 5)[0] == 0 and strength.wilson(5, 5)[1] == 1
+
+
+# ---------------------------------------------------------------- round.eval_baseline at load
+
+def test_eval_baseline_keeps_its_boolean_form(tmp_path):
+    assert _job(tmp_path, **{"round.eval_baseline": True}).round.eval_baseline == [LEGAL_RANDOM_UID]
+    assert _job(tmp_path, **{"round.eval_baseline": False}).round.eval_baseline == []
+
+
+@pytest.mark.parametrize("names,message", [
+    (["minimax"], r"key 'round.eval_baseline\[0\]' names 'minimax': minimax has a solver for TicTacToe only, "
+                  r"and would play KuhnPoker-v0-train"),
+    (["legal-random", "ckpt-3"], r"key 'round.eval_baseline': 'ckpt-3' is no baseline agent: expected 'legal-random' or an expert"),
+    (["kuhn-best", "kuhn-best"], r"names an agent twice"),
+    (["kuhn-best@2"], r"eps a number in \[0, 1\]"),
+])
+def test_a_baseline_agent_that_cannot_play_is_refused_at_load(tmp_path, names, message):
+    with pytest.raises(JobError, match=message):
+        _job(tmp_path, **{"round.eval_baseline": names})  # demo.toml's eval games are Kuhn Poker
+
+
+# ---------------------------------------------------------------- a real round
+
+def _boards(turns: list[dict]) -> list[tuple[str, int, str]]:
+    """(board before the move, mover pid, action) per turn, rebuilt from the game's valid moves (not
+    from the observation text the probes read); the first mover plays 'O'."""
+    out, cells, marks = [], ["."] * 9, {}
+    for t in sorted(turns, key=lambda t: t["turn"]):
+        marks.setdefault(t["pid"], "O" if not marks else "X")
+        out.append(("".join(cells), t["pid"], t["action"]))
+        if not t["invalid_move"]:
+            cells[int(t["action"].split("[", 1)[1].split("]", 1)[0].strip())] = marks[t["pid"]]
+    return out
+
+
+def _recount(board: str, action: str) -> dict[str, bool]:
+    me = "O" if board.count("O") == board.count("X") else "X"
+    other = "X" if me == "O" else "O"
+
+    def wins(mark: str) -> set[int]:
+        return {c for ln in LINES for c in ln if board[c] == "." and sum(board[x] == mark for x in ln) == 2}
+    mine, theirs = wins(me), wins(other)
+    cell = int(action.split("[", 1)[1].split("]", 1)[0].strip()) if "[" in (action or "") and "]" in action else None
+    if mine:
+        return {"take-a-win": cell in mine}
+    return {"forced-block": cell in theirs} if len(theirs) == 1 else {}
+
+
+@pytest.mark.slow
+def test_baseline_agents_replay_the_eval_games_and_the_probes_count_their_moves(tmp_path):
+    """eval_baseline = [legal-random, minimax] on TicTacToe against random and minimax: each agent
+    replays every eval game in the learner's seat (the minimax replays against minimax all draw,
+    though both seats are named minimax); the probes equal a recount from the games' move sequences;
+    minimax blocks whenever blocking is not already lost."""
+    ttt = {"env_id": TTT, "num_players": 2, "num_actors": 1, "opponents": ["random", "minimax"]}
+    job = _job(tmp_path, **{"round.eval_envs": [ttt], "round.eval_games": 40,
+                            "round.eval_baseline": ["legal-random", "minimax"], "round.pool_rounds": 2})
+    lake = Lake(job.run.lake)
+    cks = list_checkpoints(lake, "demo")
+    tasks = schedule_round(job, lake, 0, cks[-1], cks)
+    games = [g for t in tasks for g in t.games]
+    evals = [g for g in games if g.split == "eval"]
+    assert len(games) == 3 * 40 and len({g.game_id for g in games}) == 120
+    subject = {}  # game_id -> the pid the learner (or the agent in its place) holds
+    for agent in (LEGAL_RANDOM_UID, "minimax"):
+        twins = [g for g in games if g.split == "baseline" and ("-baseline-minimax-" in g.game_id) == (agent == "minimax")]
+        assert len(twins) == 40
+        for e, b in zip(evals, twins):
+            assert (b.env_id, b.seed) == (e.env_id, e.seed)
+            assert [agent if s.is_learner else s.model_uid for s in e.seats] == [s.model_uid for s in b.seats]
+            assert not any(s.is_learner for s in b.seats)
+            subject[b.game_id] = next(s.pid for s in e.seats if s.is_learner)
+    for t in tasks:
+        play_task(t, job.model, job.round, lake)
+    lake.commit_round("demo", 0, dict(attempt="0", checkpoint_uid=BASE_UID, games=120, temperature=1.0, top_p=1.0,
+                                      max_new_tokens=8))
+    lake = Lake(job.run.lake)
+    con = lake.connect()
+    try:
+        curves = round_curves(con, "demo", 0)
+        counts = strength.probe_counts(con, "demo")
+        turns = con.sql("SELECT game_id, turn, pid, action, invalid_move FROM turns WHERE split = 'baseline'").to_arrow_table().to_pylist()
+    finally:
+        con.close()
+    rows = {(r["split"], strength.who(r["split"], r["player"]), r["opponent"]): r for r in curves if r["opponent"] != "*"}
+    assert {r["player"] for r in curves if r["split"] == "eval"} == {BASE_UID}
+    vs_minimax = sum(1 for e in evals if any(s.model_uid == "minimax" for s in e.seats))
+    assert 0 < vs_minimax < 40
+    assert rows[("baseline", "minimax", "minimax")]["games"] == vs_minimax
+    assert rows[("baseline", "minimax", "minimax")]["draws"] == vs_minimax  # perfect play both ways: all drawn
+    assert rows[("baseline", "minimax", "random")]["losses"] == 0
+    assert rows[("baseline", LEGAL_RANDOM_UID, "random")]["games"] == 40 - vs_minimax
+
+    expected: dict[tuple[str, str], list[int]] = {}
+    by_game: dict[str, list[dict]] = {}
+    for t in turns:
+        by_game.setdefault(t["game_id"], []).append(t)
+    for gid, ts in by_game.items():
+        player = "minimax" if "-baseline-minimax-" in gid else LEGAL_RANDOM_UID
+        for board, pid, action in _boards(ts):
+            if pid != subject[gid]:
+                continue
+            for probe, hit in _recount(board, action).items():
+                c = expected.setdefault((player, probe), [0, 0])
+                c[0], c[1] = c[0] + 1, c[1] + hit
+                if player == "minimax" and probe == "forced-block" and value(board) > -1:
+                    assert hit, f"minimax let a win through in {gid} on {board}"
+    got = {(p, probe): c for (r, split, p, probe), c in counts.items() if split == "baseline"}
+    assert got == expected
+    rate = {k: hits / n for k, (n, hits) in got.items()}
+    assert 0 < rate[(LEGAL_RANDOM_UID, "take-a-win")] < 1
+    assert rate[("minimax", "take-a-win")] > rate[(LEGAL_RANDOM_UID, "take-a-win")]
+
+    from unstable_dask.loop import round_summary
+    lines = "\n".join(round_summary(job, 0))
+    assert f"baseline minimax vs minimax ({vs_minimax} games): win rate 0.50" in lines
+    pooled = {(p["split"], p["player"], p["opponent"]): p for p in strength.pooled(curves, [0])}
+    for key, p in pooled.items():  # one round pooled is that round's row of the curves query
+        assert (p["score"], p["low"], p["high"]) == pytest.approx(
+            (rows[key]["win_rate"], rows[key]["win_rate_low"], rows[key]["win_rate_high"]))
+    lr = pooled[("baseline", LEGAL_RANDOM_UID, "random")]
+    assert ("eval vs random pooled over round 0: score" in lines
+            and f"; legal-random {lr['score']:.2f} [{lr['low']:.2f}, {lr['high']:.2f}] ({lr['games']} games" in lines)
+    n, hits = got[("minimax", "take-a-win")]
+    assert f"minimax {hits / n:.2f} of {n}, pooled {hits / n:.2f}" in lines

@@ -1,0 +1,167 @@
+"""Strength you can see: per-state probes of the eval decisions, and eval figures pooled over rounds.
+
+Probes count, over the subject's turns of the eval games (the learner's seats) and of each
+round.eval_baseline agent's replays of them (its seats), how often it made the move a strong player
+makes in a state where that move is plain (read from the turn's observation and action):
+
+  take-a-win    TicTacToe: the mover had a cell that completes its line, and took one
+  forced-block  TicTacToe: no such cell, the opponent had exactly one, and the mover took it
+  bet-with-K    Kuhn Poker: holding the K with [bet] legal, it bet
+  fold-with-J   Kuhn Poker: holding the J facing a bet ([fold] legal), it folded
+
+Each turn row is a decision, invalid attempts included (an unreadable move took nothing); a state
+shown twice (a resubmission) counts twice. The minimax agent scores below 1 on both TicTacToe probes:
+it draws uniformly among moves of equal game value, so it may win later instead of now, and in a
+lost position it need not block. Under TextArena's Kuhn rules the best reply bets with the K and
+never folds (play/experts.py: kuhn-best scores 1 and 0).
+
+Pooled figures add up the eval rows of round_curves (report.py) over the latest round.pool_rounds
+rounds: one Wilson 95% interval over all their seats, for the learner and for each baseline agent
+on the same rounds' replays of the same games.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable, Optional
+
+from unstable_dask.play.agents import legal_moves
+from unstable_dask.play.experts import board_from_obs, game_of, to_move
+from unstable_dask.play.yardsticks import winning_cells
+
+Z95 = 1.959963984540054
+LEARNER = "learner"  # a pooled row of the eval games: each round's checkpoint in the learner's seats
+PROBES = ("take-a-win", "forced-block", "bet-with-K", "fold-with-J")
+
+# The seats under study, shared by the curves (report.CURVES_SQL) and the probes: the learner's, and
+# in a baseline game (round.eval_baseline) the agent's that sat where the eval twin's learner sat
+# (same run, round and seed; the agent's seats keep is_learner false).
+SUBJECT_CTES = """eval_learners AS (  -- round.eval_baseline: an agent replays each eval game (same run, round, seed) in these seats
+    SELECT DISTINCT run, round, seed, pid FROM seats WHERE split = 'eval' AND is_learner),
+subject_ AS (  -- the seats under study: the learner's, and in baseline games the agent's in its place
+    SELECT s.*, s.is_learner OR e.pid IS NOT NULL AS subject FROM seats s LEFT JOIN eval_learners e
+        ON s.split = 'baseline' AND e.run = s.run AND e.round = s.round AND e.seed = s.seed AND e.pid = s.pid)"""
+
+# The subject's turns in the games that have probes (observation and action are data: parameters only).
+PROBE_TURNS_SQL = "WITH " + SUBJECT_CTES + """
+SELECT t.round, t.split, s.model_uid AS player, t.env_id, t.observation, t.action
+FROM turns t JOIN subject_ s ON s.run = t.run AND s.game_id = t.game_id AND s.pid = t.pid
+WHERE t.run = $1 AND t.split IN ('eval', 'baseline') AND s.subject
+  AND (t.env_id LIKE 'TicTacToe-%' OR t.env_id LIKE 'KuhnPoker-%')"""
+
+_CELL = re.compile(r"\[\s*(\d+)\s*\]")  # TextArena's TicTacToe reads the first such move
+_KUHN_MOVE = re.compile(r"\[(check|bet|fold|call)\]", re.IGNORECASE)  # and its Kuhn Poker this one
+_CARD = re.compile(r"Your card is: '([JQK])'")
+
+
+def _tictactoe(env_id: str, obs: str, action: Optional[str]) -> dict[str, bool]:
+    try:
+        board = board_from_obs(obs)
+    except ValueError:
+        return {}
+    me = to_move(board)
+    wins, threats = winning_cells(board, me), winning_cells(board, "X" if me == "O" else "O")
+    m = _CELL.search(action or "")
+    cell = int(m.group(1)) if m else None
+    if wins:
+        return {"take-a-win": cell in wins}
+    if len(threats) == 1:
+        return {"forced-block": cell == threats[0]}
+    return {}
+
+
+def _kuhn(env_id: str, obs: str, action: Optional[str]) -> dict[str, bool]:
+    cards = _CARD.findall(obs)
+    if not cards:
+        return {}
+    legal, m = legal_moves(env_id, obs), _KUHN_MOVE.search(action or "")
+    move = m.group(1).lower() if m else None
+    if cards[-1] == "K" and "[bet]" in legal:
+        return {"bet-with-K": move == "bet"}
+    if cards[-1] == "J" and "[fold]" in legal:
+        return {"fold-with-J": move == "fold"}
+    return {}
+
+
+_GAMES: dict[str, Callable[[str, str, Optional[str]], dict[str, bool]]] = {"TicTacToe": _tictactoe, "KuhnPoker": _kuhn}
+
+
+def classify(env_id: str, observation: str, action: Optional[str]) -> dict[str, bool]:
+    """The probes this decision belongs to ({} for none) and whether it made the probed move."""
+    fn = _GAMES.get(game_of(env_id))
+    return fn(env_id, observation, action) if fn else {}
+
+
+def wilson(successes: float, n: int) -> tuple[float, float]:
+    """The Wilson 95% score interval (report.CURVES_SQL's, in Python), clipped to [0, 1]."""
+    p = successes / n
+    centre = (p + Z95 * Z95 / (2 * n)) / (1 + Z95 * Z95 / n)
+    half = Z95 * math.sqrt(p * (1 - p) / n + Z95 * Z95 / (4 * n * n)) / (1 + Z95 * Z95 / n)
+    return max(centre - half, 0.0), min(centre + half, 1.0)
+
+
+def probe_counts(con, run_name: str) -> dict[tuple[int, str, str, str], list[int]]:
+    """(round, split, player, probe) -> [decisions, probed moves made], over the run's eval and baseline turns."""
+    out: dict[tuple[int, str, str, str], list[int]] = {}
+    cur = con.execute(PROBE_TURNS_SQL, [run_name])
+    while batch := cur.fetchmany(4096):
+        for round_, split, player, env_id, obs, action in batch:
+            for probe, hit in classify(env_id, obs, action).items():
+                c = out.setdefault((round_, split, player, probe), [0, 0])
+                c[0] += 1
+                c[1] += int(hit)
+    return out
+
+
+def who(split: str, player: str) -> str:
+    """A pooled row's player: `learner` for the eval games (each round's checkpoint), else the baseline agent."""
+    return LEARNER if split == "eval" else player
+
+
+def probe_rows(counts: dict[tuple[int, str, str, str], list[int]], rounds: list[int]) -> list[dict]:
+    """The probes pooled over `rounds`, one row per split, player (`who`) and probe, with Wilson 95% intervals."""
+    sums: dict[tuple[str, str, str], list[int]] = {}
+    for (r, split, player, probe), (n, hits) in counts.items():
+        if r in rounds:
+            s = sums.setdefault((split, who(split, player), probe), [0, 0])
+            s[0], s[1] = s[0] + n, s[1] + hits
+    rows = []
+    for (split, player, probe), (n, hits) in sorted(sums.items(), key=lambda kv: (kv[0][0] != "eval", kv[0][1], PROBES.index(kv[0][2]))):
+        low, high = wilson(hits, n)
+        rows.append({"split": split, "player": player, "probe": probe, "decisions": n, "hits": hits,
+                     "rate": hits / n, "low": low, "high": high})
+    return rows
+
+
+def pool_window(curves: list[dict], upto: int, k: int) -> list[int]:
+    """The latest k rounds up to `upto` that played eval games (rows of round_curves)."""
+    return sorted({r["round"] for r in curves if r["split"] == "eval" and r["round"] <= upto})[-k:]
+
+
+def pooled(curves: list[dict], rounds: list[int]) -> list[dict]:
+    """round_curves' eval and baseline rows summed over `rounds`, per split, player (`who`) and opponent:
+    games, seats, wins, draws, losses, score (win rate, draws half) with one Wilson 95% interval, and
+    the checkpoints that played them."""
+    sums: dict[tuple[str, str, str], dict] = {}
+    played: dict[tuple[str, str, str], list[str]] = {}
+    for r in curves:
+        if r["round"] in rounds and r["split"] in ("eval", "baseline") and r["opponent"] != "*":
+            key = (r["split"], who(r["split"], r["player"]), r["opponent"])
+            s = sums.setdefault(key, dict.fromkeys(("games", "wins", "draws", "losses"), 0))
+            for col in s:
+                s[col] += r[col]
+            played.setdefault(key, []).append(r["checkpoint_uid"])
+    rows = []
+    for (split, player, opponent), s in sums.items():
+        seats = s["wins"] + s["draws"] + s["losses"]
+        score = (s["wins"] + s["draws"] / 2) / seats
+        low, high = wilson(s["wins"] + s["draws"] / 2, seats)
+        rows.append({"split": split, "player": player, "opponent": opponent, "rounds": rounds,
+                     "checkpoints": list(dict.fromkeys(played[(split, player, opponent)])), **s, "seats": seats,
+                     "score": score, "low": low, "high": high, "draw_rate": s["draws"] / seats})
+    return rows
+
+
+def span(rounds: list[int]) -> str:
+    """'rounds 11-14' or 'round 3'."""
+    return f"round {rounds[0]}" if len(rounds) == 1 else f"rounds {rounds[0]}-{rounds[-1]}"
