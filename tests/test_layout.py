@@ -67,6 +67,47 @@ def test_every_module_is_on_a_floor_and_no_import_runs_back_up():
     assert not back, "imports that run back up the stages:\n" + "\n".join(back)
 
 
+def dependencies(path: Path) -> set[str]:
+    """The modules `path` needs, imports under TYPE_CHECKING and inside functions included;
+    `from pkg import submodule` needs the submodule, not what pkg's __init__ defines."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("unstable_dask")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("unstable_dask"):
+            subs = {f"{node.module}.{a.name}" for a in node.names
+                    if (PKG.parent / node.module.replace(".", "/") / f"{a.name}.py").is_file()}
+            out |= subs | ({node.module} if len(subs) < len(node.names) else set())
+    return out
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of `graph` (module -> modules it needs), or [] when there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return []
+
+
+def test_no_import_circle_types_included():
+    modules = {module_name(p): p for p in PKG.rglob("*.py")}
+    graph = {m: {d for d in dependencies(p) if d in modules and d != m} for m, p in modules.items()}
+    assert import_cycle(graph) == []
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check can fail
+
+
 def test_the_checker_sees_a_back_edge(tmp_path):
     """The test above can fail: a lake module importing the learner is caught."""
     bad = PKG / "lake" / "catalog.py"

@@ -15,7 +15,7 @@ run). Each round goes into a lake of its own, with every worker's prefix cache e
 --repeats passes, so drift on the machine falls on each alike. Ratios are against the first
 concurrency named (the job's own), measured in the same run.
 
-    .venv-vllm/bin/python bench/inference/bench_concurrency.py [--concurrency 28,14,7 (default: the job's, half, quarter)] [--repeats 2] [--dtype bfloat16]
+    python bench/inference/bench_concurrency.py [--concurrency 28,14,7 (default: the job's, half, quarter)] [--repeats 2] [--dtype bfloat16]
 
 Writes bench/results/concurrency[_<dtype>].json and prints the table for BENCHMARKS.md.
 """

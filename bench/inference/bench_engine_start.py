@@ -14,7 +14,7 @@ Variants:
 
 Ratios: start and tok/s of `cache` against `aot` and against `eager`, measured in this run.
 
-    .venv-vllm/bin/python bench/inference/bench_engine_start.py [--repeats 2] [--out engine_start]
+    python bench/inference/bench_engine_start.py [--repeats 2] [--out engine_start]
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """How far apart are the engine's stored behaviour log-probs and the learner's fp32 recomputation?
 
 The measurement behind the tolerances of tests/helpers/logprob_check.py: real rounds of the builtin tiny
-model (the engine of this venv: `hf` here, `vllm` in .venv-vllm with --backend vllm), each learner
+model (`hf`, or `vllm` with --backend vllm where `make install` put vLLM in .venv), each learner
 token's stored log-prob against a plain fp32 forward pass over prompt + completion ids, split into
 tokens within fp32 noise and nucleus-boundary flips.
 

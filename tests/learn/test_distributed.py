@@ -15,8 +15,7 @@ from unstable_dask.lake import Lake
 from unstable_dask.learn.distributed import FAULT_ENV
 from unstable_dask.learn.learner import learn
 
-from helpers import lakes
-from helpers.lakes import RUN
+from helpers.lakes import RUN, tiny_lake
 
 # Max |difference| of the adapter's weights allowed between 2 gloo ranks and one process. Measured
 # (builtin:tiny, this job, 2 updates, LoRA B moved from 0 to ~1e-2): one process against itself with its
@@ -40,12 +39,7 @@ def job_for(lake, n_workers=2, **learn):
 
 
 def make_lake(root):
-    """One random round with prompt token counts of the builtin tiny tokenizer."""
-    from transformers import AutoTokenizer
-
-    from unstable_dask.inference.weights import resolve_model
-    tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny"))
-    return lakes.make_lake(root, rounds=1, games=12, encode=lambda text: tok(text, add_special_tokens=False)["input_ids"])
+    return tiny_lake(root, rounds=1, games=12)
 
 
 def adapter(lake: Path) -> dict[str, torch.Tensor]:
@@ -96,7 +90,7 @@ def test_a_failed_rank_fails_the_update_and_commits_nothing(tmp_path, client, mo
     # rank 1 raises, or its worker process exits, at its first gradient all-reduce (mid-update)
     client.run(lambda: os.environ.__setitem__(FAULT_ENV, f"1:{mode}"))
     with pytest.raises(JobError) as err:
-        learn(job_for(lake, devices=2), client=client)
+        learn(job_for(lake, devices=2, collective_timeout_s=20), client=client)  # a peer left waiting gives up soon
     msg = str(err.value)
     assert "learn.devices = 2" in msg and "nothing was committed" in msg and "\n" not in msg
     assert ("rank 1's worker" in msg and "died" in msg) if mode == "exit" else "rank 1 on" in msg

@@ -10,8 +10,7 @@ from unstable_dask.lake import Lake
 from unstable_dask.learn.learner import build_query, learn, plan
 from unstable_dask.learn.rewards import run_batch_query
 
-from helpers import lakes
-from helpers.lakes import RUN
+from helpers.lakes import RUN, tiny_lake
 
 
 def job_for(lake, **learn):
@@ -21,13 +20,7 @@ def job_for(lake, **learn):
                          "model": {"lora": {"rank": 4, "alpha": 8}, "max_new_tokens": 8}})
 
 
-def make_lake(root, **kw):
-    """test_rewards' random lake, with prompt token counts of the builtin tiny tokenizer."""
-    from transformers import AutoTokenizer
-
-    from unstable_dask.inference.weights import resolve_model
-    tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny"))
-    return lakes.make_lake(root, encode=lambda text: tok(text, add_special_tokens=False)["input_ids"], **kw)
+make_lake = tiny_lake
 
 
 def lora_state(model):

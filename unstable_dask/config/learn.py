@@ -48,6 +48,9 @@ class LearnConfig(Strict):
     """Data-parallel ranks of an update: > 1 runs it on that many Dask workers (one GPU each on a GPU
     cluster; torch.distributed, NCCL on CUDA, gloo on CPU), gradients summed over them, rank 0
     commits; the same adapter as one process up to float summation order (learn/distributed.py)."""
+    collective_timeout_s: float = Field(600.0, gt=0)
+    """With learn.devices > 1: how long a rank waits at the rendezvous or a collective for a silent
+    peer before the update fails (a peer whose worker died fails it at once)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Precision of the learner's forward passes (bf16 autocast, LoRA weights stay fp32). auto:
     bfloat16 on CUDA, and on CPUs with native bf16 (AVX-512 BF16, AMX) for models of hidden size >= 512

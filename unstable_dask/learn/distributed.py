@@ -14,8 +14,12 @@ the whole batch on every rank: the same decision everywhere, no rank left waitin
 stopped. Dropout (model.lora.dropout > 0) draws other masks on other ranks: equal in law only.
 
 Rendezvous: rank 0's worker host and a free port on it (tcp:// init), gloo on CPU and NCCL on
-CUDA, with a timeout. A rank that raises closes its process group and one that dies closes its
-sockets: gloo fails its peers at once (measured: ~1 s); a rank that hangs fails them after TIMEOUT.
+CUDA, with a timeout. A rank whose worker dies closes its sockets: gloo fails its peers at once
+(measured: ~1 s). A rank that raises destroys its group, but in the learn flow its peers were seen
+to wait for learn.collective_timeout_s all the same (its retained traceback seems to keep the group
+alive: the frames are cleared before the group is destroyed); a rank that hangs fails them after
+that timeout (the rendezvous too: a rank may first wait for its worker's GPU, held by a round task
+of an overlapped loop, and load the base model).
 The driver then raises one error naming every failed rank. Rank 0 alone saves the adapter and
 commits, after every rank finished every update on identical weights (`finished`); a failure
 before that commits nothing.
@@ -30,6 +34,7 @@ import datetime
 import os
 import socket
 import time
+import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar
 
@@ -43,9 +48,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# A collective waits this long for a silent peer (the rendezvous too: a rank may first wait for its
-# worker's GPU, held by a round task of an overlapped loop, and load the base model).
-TIMEOUT = datetime.timedelta(minutes=10)
 # After the first failed rank, how long the driver waits for the others to fail too (gloo: ~1 s once they reach a collective); the error names those that failed by then.
 GRACE_S = 10.0
 # The failure path's test hook: "<rank>:raise" or "<rank>:exit" in a worker's environment makes
@@ -148,9 +150,9 @@ def finished(trainer: Any) -> bool:
 
 
 @contextlib.contextmanager
-def joined(rank: int, n: int, host: str, port: int, device: str) -> Iterator[None]:
+def joined(rank: int, n: int, host: str, port: int, device: str, timeout_s: float) -> Iterator[None]:
     """This process as rank `rank` of `n` for the block; the group is closed however it ends (a
-    raising rank thereby fails its peers' collectives at once instead of after TIMEOUT)."""
+    raising rank thereby fails its peers' collectives at once instead of after learn.collective_timeout_s)."""
     global _ranks
     import torch
     import torch.distributed as dist
@@ -159,10 +161,15 @@ def joined(rank: int, n: int, host: str, port: int, device: str) -> Iterator[Non
         torch.cuda.set_device(0)  # a worker sees its own GPU(s); the rank computes on the first
         dev = torch.device("cuda", 0)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://{_url_host(host)}:{port}",
-                            rank=rank, world_size=n, timeout=TIMEOUT)
+                            rank=rank, world_size=n, timeout=datetime.timedelta(seconds=timeout_s))
     _ranks = Ranks(rank, n, dev)
     try:
         yield
+    except BaseException as e:
+        # The traceback's frames hold tensors and work handles of the group, which keep its
+        # sockets open after destroy_process_group: let them go so peers fail now.
+        traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         _ranks = None
         dist.destroy_process_group()
@@ -171,7 +178,7 @@ def joined(rank: int, n: int, host: str, port: int, device: str) -> Iterator[Non
 def rank_task(train: Callable, job: "Job", lake: Any, p: Any, device: str, rank: int, n: int, host: str,
               port: int) -> Any:
     """One rank's Dask task: the learn job's update (`train`: learner._train) inside the group."""
-    with joined(rank, n, host, port, device):
+    with joined(rank, n, host, port, device, job.learn.collective_timeout_s):
         return train(job, lake, p, device)
 
 
