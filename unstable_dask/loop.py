@@ -11,6 +11,7 @@ checkpoint is redone from scratch). A killed league plays its uncommitted pass a
 from __future__ import annotations
 
 import contextlib
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,10 +30,30 @@ from unstable_dask.rate.league import LeagueRatings, rate_league
 from unstable_dask.report import report, strength, trackers
 
 
-def _rate_and_report(job: Job, console: Console) -> None:
-    """Both only read the lake; a failure here never loses a round or a checkpoint."""
+def _rate_and_report(job: Job, console: Console) -> dict[str, float]:
+    """Both only read the lake; a failure here never loses a round or a checkpoint. Returns their seconds."""
+    t0 = time.perf_counter()
     console.print(str(ratings.rate(job)), highlight=False)
+    t1 = time.perf_counter()
     console.print(f"report: {report.report(job)}", highlight=False)
+    return {"rate": t1 - t0, "report": time.perf_counter() - t1}
+
+
+def breakdown(res: LearnResult, learn_s: float, round_s: Optional[float] = None,
+              after: Optional[dict[str, float]] = None) -> str:
+    """One line of where an iteration's seconds went: the round it trained on, the learner's phases
+    (LearnResult.timings; steps: the updates' own step_time_s), rate and report."""
+    t = res.timings
+    steps = sum(s.get("step_time_s") or 0.0 for s in res.steps)
+    parts = [f"load {t.get('time_model_load_s', 0):.1f}", f"query {t.get('time_batch_query_s', 0):.1f}",
+             f"steps {steps:.1f}", f"save {t.get('time_save_s', 0):.1f}", f"commit {t.get('time_commit_s', 0):.1f}"]
+    if t.get("time_dispatch_s"):
+        parts.insert(0, f"dispatch {t['time_dispatch_s']:.1f}")
+    if t.get("time_engine_swap_s"):
+        parts.append(f"sleep/wake {t['time_engine_swap_s']:.1f}")
+    line = f"iteration {res.iteration}: " + (f"round {round_s:.1f} s, " if round_s is not None else "")
+    line += f"learn {learn_s:.1f} s ({', '.join(parts)})"
+    return line + "".join(f", {k} {v:.1f} s" for k, v in (after or {}).items())
 
 
 def _compact(job: Job, console: Console) -> None:
@@ -135,17 +156,39 @@ def loop(job: Job, rounds: int, console: Optional[Console] = None, rate: bool = 
 
 
 def _lock_step(job: Job, rounds: int, client, console: Console, rate: bool) -> list:
+    """Round, learner iteration, round, ... The iteration's rate, report and tracker sync run in a
+    background thread while the next round plays (they only read the lake and write their own
+    tables and pages); the loop waits for them before anything after the round (its summary,
+    compaction, the next iteration), so their failure stops the loop one round later with every
+    committed round and checkpoint kept. A match-quality opponent pool reads the ratings: with it
+    the round waits for them first."""
     from unstable_dask.play.round import play_round
     results = []
-    while True:
-        lake = Lake(job.run.lake)  # the lake as it is now: one snapshot for this step's decisions
-        last = lake.last_round(job.run.name)
-        if last is not None and plan(job, lake) is not None:  # committed but not yet trained on
-            results.append(_learn(job, client, console, rate))
-        played = 0 if last is None else last + 1
-        if played >= rounds:
-            return results
-        _after_round(job, play_round(job, client=client, console=console), console)
+    round_s: Optional[float] = None
+    with ThreadPoolExecutor(1, thread_name_prefix="rate") as background:
+        pending: Optional[Future] = None
+        while True:
+            lake = Lake(job.run.lake)  # the lake as it is now: one snapshot for this step's decisions
+            last = lake.last_round(job.run.name)
+            if last is not None and plan(job, lake) is not None:  # committed but not yet trained on
+                res, learn_s = _train(job, client, console)
+                results.append(res)
+                pending = background.submit(_after_learn, job, console, rate, res, learn_s, round_s)
+                if _league_due(job, res):  # the league's report beside the run's: after the run's own
+                    _settle(pending)
+                    console.print(str(league(job, client, console)), highlight=False)
+            played = 0 if last is None else last + 1
+            if played >= rounds:
+                _settle(pending)
+                return results
+            if job.round.opponents.strategy == "match-quality":
+                _settle(pending)
+            t = time.perf_counter()
+            summary = play_round(job, client=client, console=console)
+            round_s = time.perf_counter() - t
+            _settle(pending)
+            pending = None
+            _after_round(job, summary, console)
 
 
 def _overlapped(job: Job, rounds: int, client, console: Console, rate: bool) -> list:
@@ -189,14 +232,37 @@ def _ahead(lake: Lake, run_name: str) -> int:
 
 
 def _learn(job: Job, client, console: Console, rate: bool):
-    res = learn(job, client=client)
-    console.print(str(res))
-    if rate:
-        _rate_and_report(job, console)
-    _track(job, console)
-    if job.league.every and isinstance(res, LearnResult) and not res.skipped and res.iteration % job.league.every == 0:
+    res, learn_s = _train(job, client, console)
+    _after_learn(job, console, rate, res, learn_s)
+    if _league_due(job, res):
         console.print(str(league(job, client, console)), highlight=False)
     return res
+
+
+def _train(job: Job, client, console: Console) -> tuple:
+    """The learner iteration and its wall seconds (dispatch included)."""
+    t = time.perf_counter()
+    res = learn(job, client=client)
+    console.print(str(res))
+    return res, time.perf_counter() - t
+
+
+def _after_learn(job: Job, console: Console, rate: bool, res, learn_s: float, round_s: Optional[float] = None) -> None:
+    """Rate, report, tracker sync, and the iteration's one-line breakdown."""
+    after = _rate_and_report(job, console) if rate else {}
+    _track(job, console)
+    if isinstance(res, LearnResult) and not res.skipped:
+        console.print(breakdown(res, learn_s, round_s, after), highlight=False)
+
+
+def _league_due(job: Job, res) -> bool:
+    return bool(job.league.every) and isinstance(res, LearnResult) and not res.skipped and res.iteration % job.league.every == 0
+
+
+def _settle(pending: Optional[Future]) -> None:
+    """Wait for the background rate and report; their error, if any, is raised here."""
+    if pending is not None:
+        pending.result()
 
 
 def _after_round(job: Job, summary, console: Console) -> None:

@@ -38,6 +38,7 @@ from common import row, save  # noqa: E402
 VARIANTS: dict[str, dict[str, str]] = {
     "spin (libgomp default)": {"OMP_WAIT_POLICY": "ACTIVE"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "short spin": {"GOMP_SPINCOUNT": "10000"},
     "project default": {},
 }
 

@@ -140,3 +140,46 @@ def test_a_nan_transform_stops_the_loop_in_one_line_and_rollback_lets_it_go_on(t
     lineage = {c["uid"]: (c["parent_uid"], c["rounds_trained"]) for c in db.table("checkpoints").rows("demo")}
     assert lineage == {"ckpt-2": ("base", [0]), "ckpt-3": ("ckpt-2", [2]), "ckpt-4": ("ckpt-3", [3])}
     assert db.sql("SELECT count(*) AS n FROM learner_steps WHERE NOT isfinite(loss)").to_pylist() == [{"n": 0}]
+
+
+def test_lock_step_loop_rates_and_reports_beside_the_next_round_and_times_each_phase(tmp_path, cache):
+    """Lock-step: each iteration's rate and report run while the next round plays, and the last
+    iteration's are done when `loop` returns; each iteration prints where its seconds went, and the
+    lake holds the learner's phases by name."""
+    import io
+
+    from rich.console import Console
+    job = load_job("jobs/demo.toml", {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),
+                                      **SETS})
+    out = io.StringIO()
+    results = loop(job, rounds=2, console=Console(file=out, width=400))
+    text = out.getvalue()
+    assert [r.iteration for r in results] == [1, 2]
+    lines = [ln for ln in text.splitlines() if ln.startswith("iteration ")]
+    assert [ln.split(":")[0] for ln in lines] == ["iteration 1", "iteration 2"]
+    assert all(", rate " in ln and ", report " in ln and "(load " in ln for ln in lines), lines
+    assert text.count("report: ") == 2 and (tmp_path / "reports" / "demo" / "index.html").is_file()
+    phases = Lake(job.run.lake).sql(
+        "SELECT iteration, metrics['time_model_load_s'] AS load, metrics['time_batch_query_s'] AS query, "
+        "metrics['time_save_s'] AS save FROM learner_steps WHERE run = 'demo' ORDER BY iteration").to_pylist()
+    assert [p["iteration"] for p in phases] == [1, 2] and all(p[k] > 0 for p in phases for k in ("load", "query", "save"))
+    assert all(r.timings["time_commit_s"] > 0 for r in results)
+
+
+def test_a_failing_report_stops_the_lock_step_loop_one_round_later_losing_nothing(tmp_path, cache, monkeypatch):
+    """The report runs beside the next round: its failure surfaces after that round is committed,
+    and the same command, run again, trains on it and goes on."""
+    from unstable_dask.report import report
+
+    def broken(job):
+        raise RuntimeError("report broke")
+    job = load_job("jobs/demo.toml", {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"),
+                                      **SETS})
+    with monkeypatch.context() as m:
+        m.setattr(report, "report", broken)
+        with pytest.raises(RuntimeError, match="report broke"):
+            loop(job, rounds=3)
+    lake = Lake(job.run.lake)
+    assert lake.rounds("demo") == [0, 1] and [c["uid"] for c in lake.table("checkpoints").rows("demo")] == ["ckpt-1"]
+    loop(job, rounds=3)
+    check_lake(tmp_path / "lake", "demo", 3, 0)

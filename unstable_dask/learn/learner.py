@@ -62,6 +62,8 @@ class LearnResult:
     rounds: list[int]
     steps: list[dict] = field(default_factory=list)
     skipped: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds of the iteration's phases (TIMINGS' keys; the steps' own time is sum(step_time_s))."""
 
     def __str__(self) -> str:
         if self.skipped:
@@ -69,6 +71,17 @@ class LearnResult:
         last = self.steps[-1] if self.steps else {}
         return (f"learn: {self.uid} (rounds {self.rounds}, {len(self.steps)} update(s), loss {last.get('loss', 0):.4f}, "
                 f"{last.get('tokens_per_s', 0):.0f} tok/s) -> {self.adapter_path}")
+
+
+# The phases of a learner iteration besides its optimizer steps (each update's step_time_s), in
+# seconds; every one but commit is in each learner_steps row's `metrics` (`metrics['time_save_s']`),
+# commit only in LearnResult.timings: the steps file is written as part of that commit.
+TIMINGS = ("time_dispatch_s",     # submit to the task starting (a Dask task on a GPU worker; 0 in process)
+           "time_model_load_s",   # base model + parent adapter and optimizer state (Trainer)
+           "time_batch_query_s",  # the batch queries of all updates
+           "time_save_s",         # the adapter written, hashed and moved into the lake
+           "time_engine_swap_s",  # resident engines put to sleep and woken (single-GPU mode; 0 on CPU)
+           "time_commit_s")       # learner_steps + baselines files and the checkpoint commit
 
 
 def plan(job: Job, lake: Optional[Lake] = None) -> Optional[Plan]:
@@ -203,7 +216,7 @@ def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None,
     from unstable_dask.cluster.client import task_resources
     if device == "cuda" and task_resources(job.cluster, client):
         def submit(c):  # the GPU lives on a worker: run there, beside that worker's resident engine
-            return c.submit(_train, job, lake, p, device, resources={"GPU": 1}, pure=False,
+            return c.submit(_train, job, lake, p, device, time.time(), resources={"GPU": 1}, pure=False,
                             key=f"learn-{p.run_name}-{p.uid}-{time.time_ns()}").result()
         if client is not None:
             return submit(client)
@@ -215,13 +228,16 @@ def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None,
     return result
 
 
-def _train(job: Job, lake: Lake, p: Plan, device: str) -> Optional[LearnResult]:
+def _train(job: Job, lake: Lake, p: Plan, device: str, submitted: Optional[float] = None) -> Optional[LearnResult]:
+    """`submitted`: the wall-clock time the Dask task was submitted (its dispatch time is measured from it)."""
     import torch
 
     from unstable_dask.inference.engine import resident_engines
     from unstable_dask.learn.trainer import Trainer
     engines = resident_engines() if device == "cuda" else []
     swap: dict = {}
+    timing = dict.fromkeys(TIMINGS, 0.0)
+    timing["time_dispatch_s"] = max(time.time() - submitted, 0.0) if submitted is not None else 0.0
     if engines:  # single-GPU mode: free the engine's GPU memory for the update
         t = time.perf_counter()
         for e in engines:
@@ -230,6 +246,7 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> Optional[LearnResult]:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()  # cuda_mem_peak is the update's own, not the engine's generate
     try:
+        t_load = time.perf_counter()
         parent = st.local_dir(p.parent_adapter) if p.parent_adapter else None
         if parent is not None:
             check_adapter(Adapter(p.parent_uid, parent))  # one line for a damaged folder, not a loader's traceback
@@ -239,8 +256,10 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> Optional[LearnResult]:
                            f"commit names (sha256 {adapter_digest(parent)[:12]}, committed {expected[:12]}); the lake's "
                            "adapters folder was changed by hand")
         trainer = Trainer(job, parent, torch.device(device))
+        timing["time_model_load_s"] = time.perf_counter() - t_load
         steps = []
         for u in range(job.learn.updates_per_round):
+            t_query = time.perf_counter()
             con = lake.connect()
             try:
                 sql = build_query(job, p, u, con)
@@ -252,6 +271,7 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> Optional[LearnResult]:
                 check_finite_advantages(job, p, seed, batch, con)
             finally:
                 con.close()
+            timing["time_batch_query_s"] += time.perf_counter() - t_query
             served = served_weights(job, p, batch)  # before the update: rows of other weights are never trained on
             # The first update starts from the parent's weights: rows it played must match the engine.
             m = trainer.update(batch, seed, guard_uid=p.parent_uid if u == 0 else None)
@@ -273,13 +293,20 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> Optional[LearnResult]:
         # replace the adapter or steps of the attempt that committed it.
         attempt = uuid.uuid4().hex[:8]
         rel = Lake.adapter_rel(p.run_name, p.uid, attempt)
+        t_save = time.perf_counter()
         digest = _save_atomic(trainer, lake.location(rel))
+        timing["time_save_s"] = time.perf_counter() - t_save
     finally:
         t = time.perf_counter()
         for e in engines:
             e.wake_up()
         if engines:
             swap["engine_wake_s"] = time.perf_counter() - t
+    timing["time_engine_swap_s"] = swap.get("engine_sleep_s", 0.0) + swap.get("engine_wake_s", 0.0)
+    for m in steps:  # the phases known only now, beside the steps' own metrics
+        m.update({k: v for k, v in timing.items() if k != "time_commit_s"})
+    table = steps_table(steps, swap)  # again: with the save time and the engine's wake
+    t_commit = time.perf_counter()
     lake.write("learner_steps", p.run_name, p.iteration, f"steps.{attempt}", table)
     if baselines is not None:
         lake.write("baselines", p.run_name, p.iteration, f"baselines.{attempt}", baselines)
@@ -296,7 +323,8 @@ def _train(job: Job, lake: Lake, p: Plan, device: str) -> Optional[LearnResult]:
     for stale in st.list_dir(lake.adapters_dir(p.run_name)):  # killed attempts' adapters
         if st.name(stale).startswith(f"{p.uid}.") and st.name(stale) != f"{p.uid}.{attempt}" and st.is_dir(stale):
             st.delete(stale)
-    return LearnResult(p.run_name, p.iteration, p.uid, rel, p.rounds, steps)
+    timing["time_commit_s"] = time.perf_counter() - t_commit
+    return LearnResult(p.run_name, p.iteration, p.uid, rel, p.rounds, steps, timings=timing)
 
 
 def steps_table(steps: list[dict], swap: dict) -> pa.Table:
