@@ -8,8 +8,8 @@
 # Usage: scripts/lowest-smoke.sh [VENV]     (needs `uv`: the [dev] extra installs it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${1:-.venv-lowest}
-UV=${UV:-$(command -v uv || echo .venv/bin/uv)}
+VENV=$(realpath -m "${1:-.venv-lowest}")  # absolute: the smoke runs from a folder of its own
+UV=$(realpath -m "${UV:-$(command -v uv || echo .venv/bin/uv)}")
 links=(); [[ -d /opt/wheels ]] && links=(--find-links /opt/wheels)  # where the CPU torch wheel lies
 start=$(date +%s)
 "$UV" venv -q --allow-existing -p "${PYTHON:-python3}" "$VENV"
