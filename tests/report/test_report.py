@@ -184,7 +184,7 @@ def test_learning_curves_show_the_lakes_numbers(tmp_path: Path, local_client) ->
     seats = Lake(job.run.lake).sql("""SELECT s.round, s.game_id, s.reward, max(o.reward) AS other FROM seats s JOIN seats o
         ON o.game_id = s.game_id AND o.pid <> s.pid WHERE s.split = 'eval' AND s.is_learner GROUP BY ALL""").to_pylist()
     turns = Lake(job.run.lake).sql("SELECT round, split, invalid_move FROM turns WHERE is_learner").to_pylist()
-    tips = {}
+    tips, any_draw = {}, any(s["reward"] == s["other"] for s in seats)
     for r in (0, 1):
         mine = [s for s in seats if s["round"] == r]
         rate = sum(1.0 if s["reward"] > s["other"] else 0.5 if s["reward"] == s["other"] else 0.0 for s in mine) / len(mine)
@@ -221,7 +221,9 @@ def test_learning_curves_show_the_lakes_numbers(tmp_path: Path, local_client) ->
 
     with opened(page) as (pg, errors):
         captions = pg.locator("#curves figcaption").all_inner_texts()
-        assert len(captions) == 5, captions  # win rate, invalid moves, format, length, TrueSkill
+        # win rate, invalid moves, format, length, TrueSkill; the draw rate where an eval game was drawn
+        assert len(captions) == 5 + any_draw, captions
+        assert any("draw rate" in c for c in captions) == any_draw, captions
         win = pg.locator("#curves figure", has_text="Eval win rate")
         assert len(marks(win, "line mark")) == 1 and len(marks(win, "area mark")) == 1  # the line and its CI band
         _assert_points(marks(win, "point"), "win rate", {("vs random", r): tips[("vs random", r)] for r in (0, 1)})
