@@ -5,7 +5,9 @@ from __future__ import annotations
 def random_adapters(base_path: str, tmp_path_factory, n: int = 2, scale: float = 0.5,
                     target_modules: tuple = ("q_proj", "v_proj", "down_proj")) -> list:
     """`n` LoRA adapters on `base_path` with random, non-zero B matrices (a fresh B is zero: a no-op),
-    entries of standard deviation `scale`."""
+    entries of standard deviation `scale`; the same adapters in every run, whatever ran before (peft
+    draws the A matrices from torch's global generator: a test's greedy texts changed with the
+    tests that ran before it)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -14,7 +16,9 @@ def random_adapters(base_path: str, tmp_path_factory, n: int = 2, scale: float =
     out = []
     for i in range(n):
         base = AutoModelForCausalLM.from_pretrained(base_path)
-        model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=list(target_modules)))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(i)
+            model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=list(target_modules)))
         gen = torch.Generator().manual_seed(i)
         with torch.no_grad():
             for name, p in model.named_parameters():

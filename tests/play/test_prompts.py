@@ -6,7 +6,7 @@ import time
 import pytest
 
 from unstable_dask.play.prompts import TEMPLATE_NAMES as TEMPLATES
-from unstable_dask.play.prompts import extract_action, render_prompt
+from unstable_dask.play.prompts import action_end, extract_action, render_prompt
 
 
 @pytest.mark.parametrize("completion, action, ok", [
@@ -23,6 +23,19 @@ from unstable_dask.play.prompts import extract_action, render_prompt
 ])
 def test_extract_action(completion, action, ok):
     assert extract_action(completion) == (action, ok)
+
+
+@pytest.mark.parametrize("completion, move", [
+    ("[4] and then some text", "[4]"),  # a move-only answer: the env reads the first [...]
+    ("I play [col 2]. Or [col 3]", "I play [col 2]"),
+    ("say [1] then \\boxed{3} done", "say [1] then \\boxed{3}"),  # the box the round reads, not the bracket
+    ("\\boxed{1} and \\boxed{2}!", "\\boxed{1} and \\boxed{2}"),  # its last box
+    ("\\boxed{ } but [2] x", "\\boxed{ } but [2]"),  # an empty box is no move: the env reads the text
+    ("no move", None), ("[] [ 1", None), ("", None),
+])
+def test_action_end_is_where_the_move_the_env_gets_ends(completion, move):
+    end = action_end(completion)
+    assert (None if end is None else completion[:end]) == move
 
 
 def test_extract_is_linear_on_hostile_text():

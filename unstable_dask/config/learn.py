@@ -35,6 +35,13 @@ class LearnConfig(Strict):
     that is not a move and did not bring back a dropped move (BENCHMARKS.md). 0: off, as in UB."""
     max_train_len: Optional[int] = Field(None, gt=0)
     """Truncate prompt + completion to this many tokens (prompt first, from the left); unset: no cut."""
+    mask_after_action: bool = False
+    """Train only on a completion's tokens up to its move: the tokens after the one that completes
+    it (the `}` of the `\\boxed{}` the round read the move from, else the `]` of the first `[...]`,
+    which the env reads) get no gradient and count in no normaliser. They carry the move's
+    advantage but not the move: noise in its gradient (a move-only answer "[4]" then 35 tokens of
+    text). A completion with no move keeps all its tokens (what the invalid-move penalty acts on).
+    model.stop = ["]"] cuts at play time instead. Off: every completion token is trained on."""
     window: Union[Literal["latest", "all"], int] = "latest"
     """Rounds a batch is sampled from: the newest (on-policy), all, or the last k (an integer >= 1)."""
     updates_per_round: int = Field(1, gt=0, le=MAX_UPDATES)

@@ -25,6 +25,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from unstable_dask.play.prompts import action_end
+
 if TYPE_CHECKING:
     import torch
 
@@ -90,6 +92,45 @@ def tokenize(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[in
         att[i, : len(r)] = 1
         lm[i, : len(r)] = torch.tensor(m)
     return Tokens(ids, att, lm, torch.tensor(last), torch.tensor(cut))
+
+
+def through_action(tokenizer: Any, completions: Sequence[Sequence[int]],
+                   logprobs: Optional[Sequence[Optional[Sequence[float]]]] = None
+                   ) -> tuple[list[list[int]], list[Optional[list[float]]]]:
+    """Each completion cut right after the token that completes its move (learn.mask_after_action),
+    with its engine log-probs cut alike (a list that does not match its completion, unusable before
+    the cut, becomes None). A completion with no move (an invalid one) keeps every token.
+
+    The move is found in the decoded text (prompts.action_end: the closing `}` of the box the
+    round took, else the first `[...]`), and the kept tokens are the shortest prefix whose own
+    decoding reaches it, so a move split over tokens ("[", "4", "].") keeps them all, the one that
+    closes it whole. Later tokens are cut from the row, not only from the loss mask: the model is causal,
+    so they change no kept token's log-prob, and they then count in no normaliser, metric, or
+    max_train_len cut. Nothing is re-encoded: the kept ids are the engine's.
+    """
+    def text(ids: Sequence[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    cut_ids: list[list[int]] = []
+    cut_lps: list[Optional[list[float]]] = []
+    for i, ids in enumerate(completions):
+        ids = list(ids)
+        full = text(ids)
+        end = action_end(full)
+        keep = len(ids)
+        if end is not None:
+            lo, hi = 1, len(ids)  # the shortest prefix whose text starts with the move's text
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if text(ids[:mid]).startswith(full[:end]):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            keep = hi
+        lp = None if logprobs is None else logprobs[i]
+        cut_ids.append(ids[:keep])
+        cut_lps.append(list(lp)[:keep] if lp is not None and len(lp) == len(ids) else None)
+    return cut_ids, cut_lps
 
 
 def completion_logprobs(logits: "torch.Tensor", input_ids: "torch.Tensor", loss_mask: "torch.Tensor",

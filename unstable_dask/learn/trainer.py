@@ -25,7 +25,7 @@ from unstable_dask.errors import JobError
 from unstable_dask.learn import algorithms, distributed, selection
 from unstable_dask.learn.passes import Mismatch
 from unstable_dask.learn.rewards import transform_values
-from unstable_dask.learn.tokens import behaviour_logprobs, prompt_ids, tokenize
+from unstable_dask.learn.tokens import behaviour_logprobs, prompt_ids, through_action, tokenize
 from unstable_dask.learn.transforms import Z_EPS, parse_transforms
 
 
@@ -139,8 +139,11 @@ class Trainer:
             return self.selected_batch(table, seed)
         where = [f"turn {t} of game {g} (round {r})" for r, g, t in zip(col("round"), col("game_id"), col("turn"))]
         prompts = prompt_ids(self.tokenizer, col("prompt"), col("prompt_tokens"), where)
-        tokens = tokenize(prompts, col("completion_token_ids"), self.cfg.max_train_len, self.pad_id)
-        behaviour, known = behaviour_logprobs(tokens, col("logprobs"))
+        completions, logprobs = col("completion_token_ids"), col("logprobs")
+        if self.cfg.mask_after_action:
+            completions, logprobs = through_action(self.tokenizer, completions, logprobs)
+        tokens = tokenize(prompts, completions, self.cfg.max_train_len, self.pad_id)
+        behaviour, known = behaviour_logprobs(tokens, logprobs)
         return algorithms.Batch(
             tokens=tokens, advantages=torch.tensor(col("advantage"), dtype=torch.float64),
             temperature=col("temperature"), top_p=col("top_p"), behaviour=behaviour, known=known,
@@ -155,7 +158,10 @@ class Trainer:
         the learner's template and tokenized as the engine would (learn/selection.py); the model's own
         distribution (temperature 1, top-p 1), no engine log-probs, every row weighted 1."""
         col = lambda name: table.column(name).to_pylist()  # noqa: E731
-        tokens = tokenize(*selection.token_ids(self.job, table, self.tokenizer), self.cfg.max_train_len, self.pad_id)
+        prompts, completions = selection.token_ids(self.job, table, self.tokenizer)
+        if self.cfg.mask_after_action:
+            completions, _ = through_action(self.tokenizer, completions)
+        tokens = tokenize(prompts, completions, self.cfg.max_train_len, self.pad_id)
         n = table.num_rows
         return algorithms.Batch(
             tokens=tokens, advantages=torch.ones(n, dtype=torch.float64), temperature=[1.0] * n, top_p=[1.0] * n,

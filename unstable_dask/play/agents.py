@@ -15,9 +15,9 @@ from typing import Callable, Optional
 
 from unstable_dask.config import RANDOM_UID, expert_parts
 from unstable_dask.play.experts import EXPERTS
+from unstable_dask.play.prompts import BRACKETED_MOVE
 
 _LIST_LINE = re.compile(r"(available|valid|legal)\s+(moves|actions)[^\n]*", re.IGNORECASE)
-_BRACKET = re.compile(r"\[[^\[\]\n]{1,40}\]")
 
 
 def _connect_four(obs: str) -> list[str]:
@@ -49,10 +49,10 @@ def legal_moves(env_id: str, obs: str) -> list[str]:
             return moves
     lines = [m.group(0) for m in _LIST_LINE.finditer(obs)]
     for line in reversed(lines):
-        moves = _BRACKET.findall(line)
+        moves = BRACKETED_MOVE.findall(line)
         if moves:
             return moves
-    return list(dict.fromkeys(_BRACKET.findall(obs)))
+    return list(dict.fromkeys(BRACKETED_MOVE.findall(obs)))
 
 
 def random_move(env_id: str, obs: str, rng: random.Random) -> Optional[str]:

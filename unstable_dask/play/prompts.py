@@ -21,6 +21,7 @@ ours live under their own names:
 """
 from __future__ import annotations
 
+import re
 from typing import Callable, Optional
 
 _ZS = "You are playing a two-player zero-sum game. Make valid actions to win."
@@ -28,6 +29,9 @@ _SP = "You are playing a single-player game. Make valid actions to solve it comp
 ASK = "Please reason step by step, and put your final answer within \\boxed{}."
 # No example move: one would be a move of one game only, and a bias toward it in others.
 ASK_MOVE = "Answer with your move only: one of your available moves, with its square brackets, and nothing else."
+# A move in square brackets, as observations list them ("[3]", "[col 2]", "[check]") and as the
+# env reads the first of a completion without a \\boxed{} (TextArena's envs search their own rule).
+BRACKETED_MOVE = re.compile(r"\[[^\[\]\n]{1,40}\]")
 
 
 def _plain(obs: str) -> str:
@@ -104,8 +108,9 @@ def render_action(template: str, action: str) -> str:
 _BOXED = "\\boxed{"
 
 
-def _last_boxed(text: str) -> Optional[str]:
-    """Content of the last-starting *closed* \\boxed{...}, nested braces included.
+def _last_boxed(text: str) -> Optional[tuple[int, int]]:
+    """(start, end) of the content of the last-starting *closed* \\boxed{...}, nested braces
+    included: the content is text[start:end], its closing `}` at `end`.
 
     One pass with a stack of open braces, so a 100k-character completion full of unclosed
     `\\boxed{` stays linear.
@@ -132,7 +137,7 @@ def _last_boxed(text: str) -> Optional[str]:
         elif c == "}" and stack:
             start = stack.pop()
             if start > best_start:
-                best_start, best = start, text[start:i]
+                best_start, best = start, (start, i)
         i += 1
     return best
 
@@ -144,9 +149,21 @@ def extract_action(completion: str) -> tuple[str, bool]:
     `[`), and format_ok=True. Otherwise (no box, or the last box is empty) the whole completion
     goes to the env, format_ok=False.
     """
-    content = _last_boxed(completion)
-    if content is not None:
-        content = content.strip()
+    box = _last_boxed(completion)
+    if box is not None:
+        content = completion[box[0]:box[1]].strip()
         if content:
             return (content if "[" in content else f"[{content}]"), True
     return completion, False
+
+
+def action_end(completion: str) -> Optional[int]:
+    """Where the move ends in a completion: the index just past the text it is read from. That is
+    the closing `}` of the box extract_action takes (the last closed, non-empty \\boxed{}); without
+    one the env gets the whole text and reads its first bracketed move (BRACKETED_MOVE: the answer of
+    the move-only templates). None: neither, no move in it (an invalid move)."""
+    box = _last_boxed(completion)
+    if box is not None and completion[box[0]:box[1]].strip():
+        return box[1] + 1
+    match = BRACKETED_MOVE.search(completion)
+    return None if match is None else match.end()
