@@ -135,3 +135,13 @@ def test_a_move_split_over_tokens_keeps_the_token_that_closes_it(tok):
     assert got == [split, double[:3], boxed]
     assert cut == [logprobs[0][:3], logprobs[1][:3], None]
     assert through_action(tok, completions[:1], [[-1.0] * 3])[1] == [None]  # log-probs that did not match its tokens
+
+
+def test_after_a_prefilled_bracket_the_move_ends_at_the_completions_own_bracket(tok):
+    """chat-move-prefill writes "[" into the prompt: the completion "4]. and more" holds the rest of
+    the move, cut after its "]"; with no prefix the same text holds no move and keeps every token."""
+    t = tok.convert_tokens_to_ids
+    move = [t("4"), t("].")]
+    completion = move + ids(tok, " and more")
+    got, _ = through_action(tok, [completion, completion], None, ["[", ""])
+    assert got == [move, completion]

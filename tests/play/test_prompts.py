@@ -6,7 +6,14 @@ import time
 import pytest
 
 from unstable_dask.play.prompts import TEMPLATE_NAMES as TEMPLATES
-from unstable_dask.play.prompts import action_end, extract_action, render_prompt
+from unstable_dask.play.prompts import (
+    action_end,
+    answer_text,
+    extract_action,
+    prompt_answer_prefix,
+    render_action,
+    render_prompt,
+)
 
 
 @pytest.mark.parametrize("completion, action, ok", [
@@ -86,7 +93,7 @@ def test_our_variants_keep_their_own_names():
     assert render_prompt("llama3-instruct-zs", "OBS") == (
         UB_TEXT["llama-instruct-zs"].replace("<|eot_id|>\n<|start", "<|eot_id|><|start") + "\n\n")
     assert set(TEMPLATES) == set(UB_TEXT) | {"plain-zs", "qwen3-zs-think", "llama3-instruct-zs", "chat",
-                                             "plain-move-only", "chat-move-only"}
+                                             "plain-move-only", "chat-move-only", "chat-move-prefill"}
 
 
 def test_reasoning_template_opens_think_and_chat_uses_tokenizer():
@@ -112,9 +119,25 @@ def test_move_only_templates_ask_for_the_move_alone():
     assert extract_action("[4]") == ("[4]", False)
 
 
+def test_the_prefill_template_begins_the_move_and_the_env_reads_it_whole():
+    """chat-move-prefill: chat-move-only's text with the assistant turn opened by "[": the model writes
+    "4]", the env gets "[4]"; an SFT target is the rest of the move, and the learner finds its end."""
+    out = render_prompt("chat-move-prefill", "OBS", chat_prompt=lambda text: f"<chat>{text}</chat>")
+    assert out == render_prompt("chat-move-only", "OBS", chat_prompt=lambda text: f"<chat>{text}</chat>") + "["
+    assert prompt_answer_prefix(out) == "[" and prompt_answer_prefix(out[:-1]) == ""
+    assert extract_action(answer_text("chat-move-prefill", "4]")) == ("[4]", False)
+    assert render_action("chat-move-prefill", "[4]") == "4]"
+    for template in ("chat-move-only", "plain-move-only", "chat-move-prefill", "qwen3-zs"):
+        target = render_action(template, "[7]")  # an SFT target gives the move back to the env
+        assert extract_action(answer_text(template, target))[0] == "[7]"
+    # a completion that is no move stays an invalid one: the env gets "[" + the text
+    assert extract_action(answer_text("chat-move-prefill", "I think"))[0] == "[I think"
+    assert answer_text("qwen3-zs", "x") == "x"
+
+
 def test_a_job_may_name_the_move_only_templates(tmp_path):
     from unstable_dask.jobfile import load_job
-    for name in ("chat-move-only", "plain-move-only"):
+    for name in ("chat-move-only", "plain-move-only", "chat-move-prefill"):
         path = tmp_path / f"{name}.toml"
         path.write_text(f'[model]\ntemplate = "{name}"\nstop = ["]"]\n')
         job = load_job(str(path))

@@ -95,11 +95,12 @@ def tokenize(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[in
 
 
 def through_action(tokenizer: Any, completions: Sequence[Sequence[int]],
-                   logprobs: Optional[Sequence[Optional[Sequence[float]]]] = None
-                   ) -> tuple[list[list[int]], list[Optional[list[float]]]]:
+                   logprobs: Optional[Sequence[Optional[Sequence[float]]]] = None,
+                   prefixes: Optional[Sequence[str]] = None) -> tuple[list[list[int]], list[Optional[list[float]]]]:
     """Each completion cut right after the token that completes its move (learn.mask_after_action),
     with its engine log-probs cut alike (a list that does not match its completion, unusable before
-    the cut, becomes None). A completion with no move (an invalid one) keeps every token.
+    the cut, becomes None). A completion with no move (an invalid one) keeps every token. `prefixes`:
+    each row's answer prefix, the start of its move written in the prompt (prompts.ANSWER_PREFIX).
 
     The move is found in the decoded text (prompts.action_end: the closing `}` of the box the
     round took, else the first `[...]`), and the kept tokens are the shortest prefix whose own
@@ -116,9 +117,11 @@ def through_action(tokenizer: Any, completions: Sequence[Sequence[int]],
     for i, ids in enumerate(completions):
         ids = list(ids)
         full = text(ids)
-        end = action_end(full)
+        prefix = prefixes[i] if prefixes is not None else ""
+        end = action_end(prefix + full)
+        end = None if end is None else end - len(prefix)  # in the completion's own text
         keep = len(ids)
-        if end is not None:
+        if end is not None and end > 0:
             lo, hi = 1, len(ids)  # the shortest prefix whose text starts with the move's text
             while lo < hi:
                 mid = (lo + hi) // 2

@@ -27,6 +27,7 @@ from unstable_dask.learn.passes import Mismatch
 from unstable_dask.learn.rewards import transform_values
 from unstable_dask.learn.tokens import behaviour_logprobs, prompt_ids, through_action, tokenize
 from unstable_dask.learn.transforms import Z_EPS, parse_transforms
+from unstable_dask.play.prompts import prompt_answer_prefix
 
 
 def model_dtype(job: Job, device: torch.device) -> torch.dtype:
@@ -141,7 +142,8 @@ class Trainer:
         prompts = prompt_ids(self.tokenizer, col("prompt"), col("prompt_tokens"), where)
         completions, logprobs = col("completion_token_ids"), col("logprobs")
         if self.cfg.mask_after_action:
-            completions, logprobs = through_action(self.tokenizer, completions, logprobs)
+            completions, logprobs = through_action(self.tokenizer, completions, logprobs,
+                                                   [prompt_answer_prefix(p or "") for p in col("prompt")])
         tokens = tokenize(prompts, completions, self.cfg.max_train_len, self.pad_id)
         behaviour, known = behaviour_logprobs(tokens, logprobs)
         return algorithms.Batch(

@@ -18,6 +18,9 @@ ours live under their own names:
                       the env reads the first `[...]` of the text, so the answer is the move (pair it
                       with `model.stop = ["]"]` to end each turn there)
   chat-move-only      the tokenizer's own chat template around the plain-move-only text
+  chat-move-prefill   chat-move-only with the answer begun in the prompt: the assistant turn opens
+                      with "[", so the model writes the rest of the move ("4]"), and the env reads
+                      "[" + the completion (ANSWER_PREFIX)
 """
 from __future__ import annotations
 
@@ -72,8 +75,13 @@ TEMPLATE_FNS: dict[str, Callable[[str], str]] = {
     "plain-move-only": _plain_move,
 }
 # Templates whose text the tokenizer's own chat template wraps (the engine's chat_prompt).
-CHAT_TEMPLATE_FNS: dict[str, Callable[[str], str]] = {"chat": _plain, "chat-move-only": _plain_move}
+CHAT_TEMPLATE_FNS: dict[str, Callable[[str], str]] = {"chat": _plain, "chat-move-only": _plain_move,
+                                                      "chat-move-prefill": _plain_move}
 TEMPLATE_NAMES = (*TEMPLATE_FNS, *CHAT_TEMPLATE_FNS)
+# The start of the answer, written at the end of the prompt (the assistant turn opened with it): a
+# small base model asked for "[4]" wrote no move in 82-92% of its turns (SmolLM2-135M, TicTacToe,
+# temperature 0.7-1.0); after "[" it only has to name the move. The env reads prefix + completion.
+ANSWER_PREFIX: dict[str, str] = {"chat-move-prefill": "["}
 
 
 def render_prompt(template: str, obs: str, chat_prompt: Optional[Callable[[str], str]] = None) -> str:
@@ -82,23 +90,34 @@ def render_prompt(template: str, obs: str, chat_prompt: Optional[Callable[[str],
     if template in CHAT_TEMPLATE_FNS:
         if chat_prompt is None:
             raise ValueError(f"template {template!r} needs the engine's chat_prompt")
-        return chat_prompt(CHAT_TEMPLATE_FNS[template](obs))
+        return chat_prompt(CHAT_TEMPLATE_FNS[template](obs)) + ANSWER_PREFIX.get(template, "")
     return TEMPLATE_FNS[template](obs)
 
 
+def answer_text(template: str, completion: str) -> str:
+    """The answer a completion gives under `template`: the prompt's answer prefix, then the completion."""
+    return ANSWER_PREFIX.get(template, "") + completion
+
+
+def prompt_answer_prefix(prompt: str) -> str:
+    """The answer prefix a rendered prompt ends with ("" for the templates that write none)."""
+    return next((p for p in ANSWER_PREFIX.values() if prompt.endswith(p)), "")
+
+
 # The templates that ask for the move alone; every other one asks for it in \boxed{}.
-MOVE_ONLY_TEMPLATES = ("plain-move-only", "chat-move-only")
+MOVE_ONLY_TEMPLATES = ("plain-move-only", "chat-move-only", "chat-move-prefill")
 # Qwen3's empty thinking block: the templates that open the answer with <think> get it closed first.
 _NO_THOUGHT = "\n\n</think>\n\n"
 
 
 def render_action(template: str, action: str) -> str:
     """The completion that answers with `action` the way `template` asks (an SFT target): the move
-    itself (`[4]`) for the move-only templates, else `\\boxed{4}`, after Qwen3's empty thinking block
+    itself (`[4]`; `4]` after a prefill template's `[`) for the move-only templates, else `\\boxed{4}`, after Qwen3's empty thinking block
     where the prompt ends in `<think>`. `extract_action` gives the action back (the move-only
     templates' env reads the first `[...]`)."""
     if template in MOVE_ONLY_TEMPLATES:
-        return action
+        prefix = ANSWER_PREFIX.get(template, "")
+        return action[len(prefix):] if action.startswith(prefix) else action
     inner = action[1:-1] if action.startswith("[") and action.endswith("]") and action.count("[") == 1 \
         and action.count("]") == 1 else action  # `[4]` -> 4; extract_action adds the brackets back
     think = template in TEMPLATE_FNS and TEMPLATE_FNS[template]("").endswith("<think>")

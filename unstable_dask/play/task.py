@@ -40,7 +40,7 @@ from unstable_dask.lake import Lake
 from unstable_dask.lake import storage as st
 from unstable_dask.lake.commit import now
 from unstable_dask.play.agents import agent
-from unstable_dask.play.prompts import extract_action, render_prompt
+from unstable_dask.play.prompts import answer_text, extract_action, render_prompt
 from unstable_dask.play.schedule import GameSpec, TaskSpec
 
 
@@ -173,9 +173,9 @@ class _Task:
         # an object store's adapter is downloaded once (storage.local_dir)
         return None if seat.source is None else Adapter(seat.model_uid, st.local_dir(seat.source))
 
-    def engine_move(self, row: dict, prompt: str, out: Generation, latency: float) -> str:
+    def engine_move(self, row: dict, prompt: str, out: Generation, latency: float, template: str) -> str:
         text = _utf8(out.text)
-        action, ok = extract_action(text)
+        action, ok = extract_action(answer_text(template, text))
         self.tokens += out.completion_tokens
         if out.cached_tokens is not None:
             self.prompt_tokens += out.prompt_tokens
@@ -255,7 +255,7 @@ class _Task:
                 dt = time.perf_counter() - t
                 self.gen_time += dt
                 for (g, pid, prompt, row), out in zip(reqs, outs):
-                    advance(g, pid, self.engine_move(row, prompt, out, dt), row)
+                    advance(g, pid, self.engine_move(row, prompt, out, dt, g.spec.template), row)
             for reqs, call in calls:
                 for (g, pid, prompt, row), reply in zip(reqs, call.result()):
                     advance(g, pid, self.endpoint_move(row, prompt, reply), row)
@@ -293,7 +293,7 @@ class _Task:
                             out = await self.engines[seat.base].agenerate(prompt, self.adapter(seat), seed=seed)
                         finally:
                             self.requests.add(-1)
-                        action = self.engine_move(row, prompt, out, time.perf_counter() - t)
+                        action = self.engine_move(row, prompt, out, time.perf_counter() - t, g.spec.template)
                     capped = self.advance(g, pid, action, row)
                     if self.progress is not None:
                         self.progress(0, self.tokens)
