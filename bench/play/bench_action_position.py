@@ -1,10 +1,11 @@
 """Where the action falls in a lake's completions: how many of each turn's tokens come after the
 move the env reads (issue 48: "answers that are the move").
 
-The move of a completion is read as a round reads it (play/prompts.extract_action): the last closed
-`\\boxed{}` when there is one (the action ends at that box's `}`), else the whole text goes to the env,
-which takes the first match of its own rule (TextArena's step: TicTacToe `[digit]`, Kuhn Poker
-`[check|bet|call|fold]`; another env: the first `[...]`). The token where the action ends is the
+The move of a completion is read as a round reads it (play/prompts.action_end, the learner's
+`mask_after_action` cut too): the last closed `\\boxed{}` when there is one (the action ends at that
+box's `}`), else the whole text goes to the env, which takes the first match of its own rule
+(prompts.move_rule: TicTacToe `[digit]`, Kuhn Poker `[check|bet|call|fold]`; another env: the first
+`[...]`). The token where the action ends is the
 first whose decoded prefix reaches that character: the token a stop string at the action's last
 character (model.stop) would end the turn on. Per run, model and env: turns, completion tokens per
 turn, the action's end (token and character index), the share of turns with no action, and the
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -29,27 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/c
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 MEASURES = ["unstable_dask/play/prompts.py", "unstable_dask/inference/"]  # for bench/stale.py
 
+from unstable_dask.play.prompts import action_end, prompt_answer_prefix  # noqa: E402
+
 from common import row, save  # noqa: E402
-
-# TextArena's own move rules (the envs' step), first match; any other env: the first bracket.
-ENV_RULES = {"TicTacToe": re.compile(r"\[\s*(\d+)\s*\]"),
-             "KuhnPoker": re.compile(r"\[(Check|Bet|Fold|Call)\]", re.IGNORECASE)}
-ANY_BRACKET = re.compile(r"\[[^\[\]]*\]")
-
-
-def action_end(completion: str, env_id: str) -> int | None:
-    """Character index just past the action the env reads in `completion` (None: no action in it)."""
-    from unstable_dask.play.prompts import extract_action
-    action, boxed = extract_action(completion)
-    if boxed:
-        content = action[1:-1] if action.startswith("[") and action.endswith("]") and action.count("[") == 1 \
-            else action
-        ends = [m.end() for m in re.finditer(r"\\boxed\{\s*" + re.escape(content) + r"\s*\}", completion)]
-        if ends:
-            return ends[-1]
-    rule = next((r for name, r in ENV_RULES.items() if env_id.startswith(name)), ANY_BRACKET)
-    match = rule.search(completion)
-    return match.end() if match else None
 
 
 def token_end(tokenizer, ids: list[int], char_end: int) -> int:
@@ -64,14 +46,15 @@ def summarise(rows: list[dict], tokenizer) -> dict:
     tokens = [r["completion_tokens"] for r in rows]
     ends_tok, ends_char, after = [], [], 0
     for r in rows:
-        end = action_end(r["completion"] or "", r["env_id"])
+        end = action_end(r["completion"] or "", r["env_id"], prompt_answer_prefix(r["prompt"] or ""))
         if end is None:
             continue
         n = token_end(tokenizer, list(r["completion_token_ids"]), end)
         ends_tok.append(n)
         ends_char.append(end)
         after += r["completion_tokens"] - n
-    with_action = sum(r["completion_tokens"] for r in rows if action_end(r["completion"] or "", r["env_id"]) is not None)
+    with_action = sum(r["completion_tokens"] for r in rows
+                      if action_end(r["completion"] or "", r["env_id"], prompt_answer_prefix(r["prompt"] or "")) is not None)
 
     def stats(xs: list) -> dict:
         return {"mean": round(statistics.fmean(xs), 2), "median": statistics.median(xs), "min": min(xs),
@@ -111,7 +94,7 @@ def measure(lake, run_name: str | None) -> list[dict]:
     params = {} if run_name is None else {"run": run_name}
     rounds = lake.sql(f"SELECT run, round, job, epoch(committed_at - started_at) AS round_s, completion_tokens "
                       f"FROM rounds {where} ORDER BY run, round", params).to_pylist()
-    turns = lake.sql(f"SELECT run, round, model_uid, env_id, completion, completion_tokens, completion_token_ids, "
+    turns = lake.sql(f"SELECT run, round, model_uid, env_id, prompt, completion, completion_tokens, completion_token_ids, "
                      f"truncated FROM turns WHERE completion_token_ids IS NOT NULL "
                      f"{'' if run_name is None else 'AND run = $run'}", params).to_pylist()
     if not turns:

@@ -14,25 +14,9 @@ from unstable_dask.inference.engine import Adapter, encode_prompts, get_engine, 
 
 from helpers import logprob_check
 from helpers.adapters import completion_logits, draw_statistics, random_adapters, recompute_logprobs, sample_prompts, texts
+from helpers.hf_engine import GREEDY
 
-GREEDY = ModelConfig(backend="hf", temperature=0.0, max_new_tokens=12, max_model_len=256, hf_max_batch=8)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls gain nothing from threads, and on a shared, oversubscribed CPU OpenMP
-    # barriers made generate 10x slower (measured); restore the setting afterwards.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-
-
-@pytest.fixture(scope="module")
-def engine(cache):
-    return get_engine(GREEDY)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -9,21 +9,9 @@ from unstable_dask.inference.engine import encode_prompts, get_engine, prompt_bu
 
 from helpers import logprob_check
 from helpers.adapters import completion_logits, random_adapters, sample_prompts, stop_end
+from helpers.hf_engine import GREEDY
 
-GREEDY = ModelConfig(backend="hf", temperature=0.0, max_new_tokens=12, max_model_len=256, hf_max_batch=8)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def engine(cache):
-    return get_engine(GREEDY)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_rows_of_a_batch_stop_independently_at_their_stop_string(engine, tmp_path_factory):

@@ -34,14 +34,15 @@ def job_for(tmp_path, algorithm="reinforce", **learn):
                          "round": {"group_size": 2}, "model": {"lora": {"rank": 4, "alpha": 8}, "max_new_tokens": 64}})
 
 
-def table(tok, completions, advantages):
+def table(tok, completions, advantages, prompt_text=PROMPT, env_id="TicTacToe-v0"):
     """Batch-query rows of one prompt: the engine's completion ids, made-up engine log-probs (one
     per token: the cut must keep them usable), groups of two rows (for GRPO / GSPO)."""
     n = len(completions)
-    (prompt,) = encode_prompts(tok, [PROMPT], 10**6)
+    (prompt,) = encode_prompts(tok, [prompt_text], 10**6)
     return pa.table({
         "round": [0] * n, "game_id": [f"g{i}" for i in range(n)], "turn": [0] * n, "pid": [0] * n,
-        "group_id": [f"s{i // 2}" for i in range(n)], "prompt": [PROMPT] * n, "prompt_tokens": [len(prompt)] * n,
+        "env_id": [env_id] * n, "group_id": [f"s{i // 2}" for i in range(n)], "prompt": [prompt_text] * n,
+        "prompt_tokens": [len(prompt)] * n,
         "completion_token_ids": [list(c) for c in completions],
         "logprobs": [[-1.0 - 0.01 * t for t in range(len(c))] for c in completions],
         "advantage": advantages, "temperature": [1.0] * n, "top_p": [1.0] * n,
@@ -145,3 +146,21 @@ def test_after_a_prefilled_bracket_the_move_ends_at_the_completions_own_bracket(
     completion = move + ids(tok, " and more")
     got, _ = through_action(tok, [completion, completion], None, ["[", ""])
     assert got == [move, completion]
+
+
+@pytest.mark.parametrize("env_id, prefill, kept", [
+    ("TicTacToe-v0", False, "[Player 0] [4]"),  # TicTacToe's step reads the first [digit]
+    ("SomeOtherEnv-v0", False, "[Player 0]"),  # another env: the first bracket
+    ("TicTacToe-v0", True, "4]"),  # chat-move-prefill: the prompt holds the "[" that opens the move
+])
+def test_the_batch_cuts_where_the_env_read_the_move(tmp_path, tok, env_id, prefill, kept):
+    """Trainer.batch cuts each row by its own env's move rule and its prompt's answer prefix, as
+    the round read the move."""
+    text = ("4] then [Player 1] [5] more" if prefill else "[Player 0] [4] then [5] more")
+    completion = ids(tok, text) + [tok.eos_token_id]
+    trainer = Trainer(job_for(tmp_path, mask_after_action=True), None, torch.device("cpu"))
+    rows = table(tok, [completion, completion], [1.0, -1.0], PROMPT + "[" if prefill else PROMPT, env_id)
+    batch = trainer.batch(rows)
+    n = batch.tokens.loss_mask.sum(-1).tolist()
+    assert n[0] == n[1]
+    assert tok.decode(completion[:n[0]]) == kept

@@ -45,6 +45,21 @@ def test_action_end_is_where_the_move_the_env_gets_ends(completion, move):
     assert (None if end is None else completion[:end]) == move
 
 
+@pytest.mark.parametrize("completion, env_id, prefix, move", [
+    ("[Player 0] [4] x", "TicTacToe-v0", "", "[Player 0] [4]"),  # TicTacToe's own rule: the first [digit]
+    ("[Player 0] [4] x", "TicTacToe-v0-train", "", "[Player 0] [4]"),
+    ("[Player 0] [4] x", "ConnectFour-v0", "", "[Player 0]"),  # another env: the first bracket
+    ("[Player 0] [4] x", None, "", "[Player 0]"),
+    ("I [think] I [bet] [Fold]", "KuhnPoker-v0", "", "I [think] I [bet]"),  # Kuhn's words, any case
+    ("4] and [5]", "TicTacToe-v0", "[", "4]"),  # the prompt wrote "[": the index is the completion's own
+    ("4] and [5]", "TicTacToe-v0", "", "4] and [5]"),
+    ("\\boxed{4} [3]", "TicTacToe-v0", "[", "\\boxed{4}"),
+])
+def test_action_end_reads_the_move_by_the_envs_rule_after_the_prompts_prefix(completion, env_id, prefix, move):
+    end = action_end(completion, env_id, prefix)
+    assert completion[:end] == move
+
+
 def test_extract_is_linear_on_hostile_text():
     hostile = ["\\boxed{" * 30_000, "}" * 100_000, "x" * 100_000, "\u202e\u0000\x1b[31m" * 10_000,
                "{" * 50_000 + "\\boxed{1}"]

@@ -37,8 +37,8 @@ class LearnConfig(Strict):
     """Truncate prompt + completion to this many tokens (prompt first, from the left); unset: no cut."""
     mask_after_action: bool = False
     """Train only on a completion's tokens up to its move: the tokens after the one that completes
-    it (the `}` of the `\\boxed{}` the round read the move from, else the `]` of the first `[...]`,
-    which the env reads) get no gradient and count in no normaliser. They carry the move's
+    it (the `}` of the `\\boxed{}` the round read the move from, else the `]` of the first move by the
+    env's own rule, e.g. TicTacToe's first `[digit]`, which the env reads) get no gradient and count in no normaliser. They carry the move's
     advantage but not the move: noise in its gradient (a move-only answer "[4]" then 35 tokens of
     text). A completion with no move keeps all its tokens (what the invalid-move penalty acts on).
     model.stop = ["]"] cuts at play time instead. Off: every completion token is trained on."""

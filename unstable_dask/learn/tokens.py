@@ -96,14 +96,16 @@ def tokenize(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[in
 
 def through_action(tokenizer: Any, completions: Sequence[Sequence[int]],
                    logprobs: Optional[Sequence[Optional[Sequence[float]]]] = None,
-                   prefixes: Optional[Sequence[str]] = None) -> tuple[list[list[int]], list[Optional[list[float]]]]:
+                   prefixes: Optional[Sequence[str]] = None,
+                   env_ids: Optional[Sequence[str]] = None) -> tuple[list[list[int]], list[Optional[list[float]]]]:
     """Each completion cut right after the token that completes its move (learn.mask_after_action),
     with its engine log-probs cut alike (a list that does not match its completion, unusable before
     the cut, becomes None). A completion with no move (an invalid one) keeps every token. `prefixes`:
-    each row's answer prefix, the start of its move written in the prompt (prompts.ANSWER_PREFIX).
+    each row's answer prefix, the start of its move written in the prompt (prompts.ANSWER_PREFIX);
+    `env_ids`: each row's env, whose own rule finds its move (None: the first `[...]`).
 
     The move is found in the decoded text (prompts.action_end: the closing `}` of the box the
-    round took, else the first `[...]`), and the kept tokens are the shortest prefix whose own
+    round took, else the first move by the env's rule), and the kept tokens are the shortest prefix whose own
     decoding reaches it, so a move split over tokens ("[", "4", "].") keeps them all, the one that
     closes it whole. Later tokens are cut from the row, not only from the loss mask: the model is causal,
     so they change no kept token's log-prob, and they then count in no normaliser, metric, or
@@ -118,8 +120,7 @@ def through_action(tokenizer: Any, completions: Sequence[Sequence[int]],
         ids = list(ids)
         full = text(ids)
         prefix = prefixes[i] if prefixes is not None else ""
-        end = action_end(prefix + full)
-        end = None if end is None else end - len(prefix)  # in the completion's own text
+        end = action_end(full, env_ids[i] if env_ids is not None else None, prefix)
         keep = len(ids)
         if end is not None and end > 0:
             lo, hi = 1, len(ids)  # the shortest prefix whose text starts with the move's text

@@ -143,7 +143,8 @@ class Trainer:
         completions, logprobs = col("completion_token_ids"), col("logprobs")
         if self.cfg.mask_after_action:
             completions, logprobs = through_action(self.tokenizer, completions, logprobs,
-                                                   [prompt_answer_prefix(p or "") for p in col("prompt")])
+                                                   [prompt_answer_prefix(p or "") for p in col("prompt")],
+                                                   col("env_id"))
         tokens = tokenize(prompts, completions, self.cfg.max_train_len, self.pad_id)
         behaviour, known = behaviour_logprobs(tokens, logprobs)
         return algorithms.Batch(
@@ -162,7 +163,7 @@ class Trainer:
         col = lambda name: table.column(name).to_pylist()  # noqa: E731
         prompts, completions = selection.token_ids(self.job, table, self.tokenizer)
         if self.cfg.mask_after_action:
-            completions, _ = through_action(self.tokenizer, completions)
+            completions, _ = through_action(self.tokenizer, completions, env_ids=col("env_id"))
         tokens = tokenize(prompts, completions, self.cfg.max_train_len, self.pad_id)
         n = table.num_rows
         return algorithms.Batch(

@@ -35,6 +35,10 @@ ASK_MOVE = "Answer with your move only: one of your available moves, with its sq
 # A move in square brackets, as observations list them ("[3]", "[col 2]", "[check]") and as the
 # env reads the first of a completion without a \\boxed{} (TextArena's envs search their own rule).
 BRACKETED_MOVE = re.compile(r"\[[^\[\]\n]{1,40}\]")
+# The rule of the envs whose step reads its own move pattern (TextArena's env.py, the first match),
+# keyed by env_id prefix; any other env: BRACKETED_MOVE. "[Player 0] [4]" is move 4 to TicTacToe.
+ENV_MOVE_RULES = {"TicTacToe-": re.compile(r"\[\s*(\d+)\s*\]"),
+                  "KuhnPoker-": re.compile(r"\[(Check|Bet|Fold|Call)\]", re.IGNORECASE)}
 
 
 def _plain(obs: str) -> str:
@@ -176,13 +180,21 @@ def extract_action(completion: str) -> tuple[str, bool]:
     return completion, False
 
 
-def action_end(completion: str) -> Optional[int]:
+def move_rule(env_id: Optional[str]) -> re.Pattern[str]:
+    """The pattern `env_id`'s step reads a move with (first match): ENV_MOVE_RULES, else BRACKETED_MOVE."""
+    return next((rule for prefix, rule in ENV_MOVE_RULES.items() if (env_id or "").startswith(prefix)),
+                BRACKETED_MOVE)
+
+
+def action_end(completion: str, env_id: Optional[str] = None, prefix: str = "") -> Optional[int]:
     """Where the move ends in a completion: the index just past the text it is read from. That is
     the closing `}` of the box extract_action takes (the last closed, non-empty \\boxed{}); without
-    one the env gets the whole text and reads its first bracketed move (BRACKETED_MOVE: the answer of
-    the move-only templates). None: neither, no move in it (an invalid move)."""
-    box = _last_boxed(completion)
-    if box is not None and completion[box[0]:box[1]].strip():
-        return box[1] + 1
-    match = BRACKETED_MOVE.search(completion)
-    return None if match is None else match.end()
+    one the env gets the whole text and reads its first move by its own rule (move_rule(env_id): the
+    answer of the move-only templates). `prefix`: the answer prefix the prompt wrote (answer_text);
+    the index stays in the completion's own text. None: neither, no move in it (an invalid move)."""
+    text = prefix + completion
+    box = _last_boxed(text)
+    if box is not None and text[box[0]:box[1]].strip():
+        return box[1] + 1 - len(prefix)
+    match = move_rule(env_id).search(text)
+    return None if match is None else match.end() - len(prefix)
