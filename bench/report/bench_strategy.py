@@ -186,13 +186,20 @@ def final(rows: list[dict], k: int = FINAL_ROUNDS) -> dict:
     return {"final": main, "final_by_opponent": out}
 
 
+def merge_runs(old: list[dict], new: list[dict]) -> list[dict]:
+    """The records of `old` that `new` does not read again, then `new`: a record is one run and seed
+    (one job's seeds share its run name, each in its own lake)."""
+    again = {(r["run"], r["seed"]) for r in new}
+    return [r for r in old if (r["run"], r["seed"]) not in again] + new
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lake", action="append", required=True)
     ap.add_argument("--runs", nargs="*")
     ap.add_argument("--keep", action="store_true",
-                    help="keep the runs already in strategy.json that these lakes do not hold (a lake per machine "
-                         "or per session); a run these lakes hold is read again")
+                    help="keep the runs already in strategy.json that these lakes do not hold (a lake per machine, "
+                         "session or seed); a run and seed these lakes hold is read again")
     ap.add_argument("--compare", nargs="+", metavar="RUN",
                     help="also draw these runs' eval win-rate curves on one chart: bench/results/strategy_compare.svg")
     args = ap.parse_args()
@@ -207,9 +214,7 @@ def main() -> None:
         finally:
             con.close()
     if args.keep and (RESULTS / "strategy.json").exists():
-        new = {r["run"] for r in runs}
-        kept = [r for r in json.loads((RESULTS / "strategy.json").read_text())["runs"] if r["run"] not in new]
-        runs = kept + runs
+        runs = merge_runs(json.loads((RESULTS / "strategy.json").read_text())["runs"], runs)
     save("strategy", {"runs": runs}, settings=vars(args))
     if args.compare:
         compare(runs, args.compare)

@@ -87,3 +87,11 @@ def test_strategy_record_of_a_real_run(tmp_path, local_client):
     assert "pooled over rounds 1-3" in section and 'id="probes-table"' in section
     for who in ("learner", LEGAL_RANDOM_UID, "minimax", "take-a-win"):
         assert f">{who}<" in section, who
+
+
+def test_keep_merges_records_by_run_and_seed():
+    """`--keep`: a job's seeds share its run name and are read from their own lakes; reading seed 1
+    again replaces seed 1's record only."""
+    old = [{"run": "ttt", "seed": 0, "v": "a"}, {"run": "ttt", "seed": 1, "v": "b"}, {"run": "kuhn", "seed": 1, "v": "c"}]
+    new = [{"run": "ttt", "seed": 1, "v": "d"}, {"run": "ttt", "seed": 2, "v": "e"}]
+    assert [r["v"] for r in _bench().merge_runs(old, new)] == ["a", "c", "d", "e"]
