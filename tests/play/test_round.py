@@ -318,3 +318,24 @@ def test_eval_baseline_replays_every_eval_game_with_legal_random_in_the_learners
         p, n, z = ev[rate], ev["turns"], 1.959963984540054
         centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
         assert [ev[f"{rate}_low"], ev[f"{rate}_high"]] == pytest.approx([max(centre - half, 0), min(centre + half, 1)])
+
+
+def test_the_random_agents_draw_anew_for_another_run_seed(tmp_path):
+    """Two runs of one job differ in run.seed only: their agent-only games (legal-random against
+    random, the eval baseline) must not repeat each other move for move (the agents' draws came
+    from the game id, which holds the run name and not its seed); the same seed repeats them."""
+    ttt = {"env_id": "TicTacToe-v0-train", "num_players": 2, "num_actors": 1, "opponents": ["random"]}
+
+    def moves(seed: int, where: str) -> list:
+        job = _job(tmp_path / where, **{"round.eval_envs": [ttt], "round.eval_baseline": True, "round.eval_games": 8,
+                                        "round.train_games": 0, "run.seed": seed})
+        lake = Lake(job.run.lake)
+        cks = list_checkpoints(lake, "demo")
+        games = tuple(g for t in schedule_round(job, lake, 0, cks[-1], cks) for g in t.games if g.split == "baseline")
+        play_task(TaskSpec("task-0000", "demo", 0, games), job.model, job.round, lake)
+        turns = pq.read_table(Path(job.run.lake) / "turns").sort_by([("game_id", "ascending"), ("turn", "ascending")])
+        return list(zip(turns.column("game_id").to_pylist(), turns.column("action").to_pylist()))
+
+    first, again, other = moves(0, "a"), moves(0, "b"), moves(1, "c")
+    assert first == again
+    assert [a for _, a in first] != [a for _, a in other]

@@ -86,9 +86,10 @@ def _start(spec: GameSpec, cfg: RoundConfig) -> _Game:
     finally:
         random.setstate(outer)
     _state(env).error_allowance = cfg.error_allowance
-    # The random agent draws per game (not per seed): in a group it is an opponent that samples
-    # independently, like a model opponent, while the env's start state is the group's.
-    return _Game(spec, env, rng_state, random.Random(spec.game_id), now())
+    # The random agent draws per game and run seed: in a group it is an opponent that samples
+    # independently, like a model opponent, while the env's start state is the group's; the game id
+    # alone repeats across run seeds (it holds the run name, not the seed), and so did every draw.
+    return _Game(spec, env, rng_state, random.Random(f"{spec.game_id}/{spec.seed}"), now())
 
 
 def _seat_row(seat, reward, info) -> dict:
