@@ -23,7 +23,10 @@ the game's reward to its seat after a fold and after a call; of its training tur
 legal, how many bet and the game's reward after a bet and after a check (what the learner was
 trained on: did the move it grew pay, and was the better one sampled at all?); and the policy's
 sampling entropy on the round's own training samples (learner_steps.entropy of the updates that
-trained on them: what `learn.entropy_coef` holds up). Every league of the lake that ranked
+trained on them: what `learn.entropy_coef` holds up). The probes of report/strength.py (take-a-win,
+forced-block, first-free, bet-with-K, fold-with-J): the learner's rate per round
+(`learner_probes`), and `final.probes` over the verdict's rounds for the learner and each baseline
+agent, with Wilson intervals (a first-free rate near 1 is a fixed fill order, not strategy). Every league of the lake that ranked
 the run's checkpoints (a self-play run's verdict) adds its Spearman correlation of iteration and
 rating and the last checkpoint's and base model's ratings with intervals. Nothing is typed by hand:
 run it again on the same lakes and the file is the same.
@@ -96,6 +99,7 @@ def league_rows(lake, run_name: str) -> list[dict]:
 
 
 def run_rows(con, run_name: str) -> dict:
+    from unstable_dask.report import strength
     from unstable_dask.report.report import round_curves
     rows = round_curves(con, run_name)
     meta = con.sql("""SELECT min(started_at), max(committed_at), arg_max(job, round) FROM rounds WHERE run = ?""",
@@ -112,6 +116,7 @@ def run_rows(con, run_name: str) -> dict:
                          WHERE run = ?""", params=[run_name]).fetchall())
     entropy = dict(con.sql("""SELECT r, avg(entropy) FROM (SELECT unnest(rounds) AS r, entropy FROM learner_steps
                               WHERE run = ?) GROUP BY r""", params=[run_name]).fetchall())
+    probes = strength.probe_counts(con, run_name)
     rounds = []
     for k in sorted({r["round"] for r in rows}):
         ev = {r["opponent"]: r for r in rows if r["round"] == k and r["split"] == "eval" and r["opponent"] != "*"}
@@ -129,7 +134,9 @@ def run_rows(con, run_name: str) -> dict:
                 "eval_turns": e["turns"], "format_success": e["format_success"],
                 "format_success_ci": [e["format_success_low"], e["format_success_high"]],
                 "invalid_rate": e["invalid_rate"],
-                "learner_entropy": entropy.get(k)})
+                "learner_entropy": entropy.get(k),
+                "learner_probes": {p["probe"]: p["rate"] for p in strength.probe_rows(probes, [k])
+                                   if p["split"] == "eval"}})
             if k in kuhn:  # what it chose, not only how it scored
                 rounds[-1].update(zip(("kuhn_bet_share", "kuhn_bet_legal_turns", "kuhn_fold_share",
                                        "kuhn_facing_bet_turns", "kuhn_invalid_when_bet_legal",
@@ -140,12 +147,15 @@ def run_rows(con, run_name: str) -> dict:
                                        "kuhn_train_reward_after_check"), kuhn[k]))
     games = [g for (g,) in con.sql("SELECT DISTINCT env_id FROM games WHERE run = ? AND split = 'eval' ORDER BY 1",
                                    params=[run_name]).fetchall()]
+    verdict = final(rows)
+    if verdict["final"]:  # the probes over the verdict's rounds: learner and baseline agents
+        verdict["final"]["probes"] = strength.probe_rows(probes, verdict["final"]["rounds"])
     return {"run": run_name, "job": job, "seed": job["run"]["seed"], "game": "+".join(dict.fromkeys(map(game_of, games))),
             "eval_envs": games, "start": start(con, run_name),
             "algorithm": job["learn"]["algorithm"], "model": job["model"]["base"],
             "opponents": job["round"]["opponents"]["strategy"],
             "wall_minutes": (end - meta[0]).total_seconds() / 60, "play_minutes": (play_s or 0) / 60,
-            "update_minutes": (learn_s or 0) / 60, **final(rows), "rounds": rounds}
+            "update_minutes": (learn_s or 0) / 60, **verdict, "rounds": rounds}
 
 
 def start(con, run_name: str) -> str:

@@ -148,6 +148,34 @@ def test_tictactoe_yardsticks():
     # the best reply is best: no other strategy here scores more, and minimax (which plays for the
     # draw against a perfect opponent) leaves some of random's mistakes unpunished
     assert max(got.values()) == got["best-response"] > got["minimax"] > got["win-or-block"]
+    # a fixed fill order beats random (the top row goes unblocked) but not take-a-win
+    assert got["legal-random"] < got["first-free"] < got["take-a-win"] < got["take-a-win-else-first-free"] \
+        < got["win-or-block"]
+
+
+@pytest.mark.parametrize("seat", [0, 1])
+def test_the_fill_order_yardstick_is_what_the_real_env_gives(seat):
+    """first-free's enumerated seat score, computed again on TextArena's own game: every reply of
+    the random seat weighted 1/(its legal moves), the fill order reading the real observation."""
+    env_id = "TicTacToe-v0-train"
+
+    def value(env) -> Fraction:
+        pid, obs = env.get_observation()
+        legal = legal_moves(env_id, obs)
+        moves = [min(legal, key=lambda m: int(m[1:-1]))] if pid == seat else legal
+        total = Fraction(0)
+        for i, move in enumerate(moves):
+            e = env if i == len(moves) - 1 else copy.deepcopy(env)
+            done, _ = e.step(move)
+            if done:
+                rewards, _ = e.close()
+                v = Fraction(1) if rewards[seat] > rewards[1 - seat] else ys.HALF if rewards[seat] == rewards[1 - seat] else Fraction(0)
+            else:
+                v = value(e)
+            total += v / len(moves)
+        return total
+
+    assert value(_env(env_id)) == ys.tictactoe_seat_score(ys.first_free, "O" if seat == 0 else "X")
 
 
 def test_kuhn_yardsticks():

@@ -74,6 +74,17 @@ def test_strategy_record_of_a_real_run(tmp_path, local_client):
     draws = lake.sql("""SELECT avg((s.reward = o.reward)::DOUBLE) AS d FROM seats s JOIN seats o ON o.game_id = s.game_id
                         AND o.pid <> s.pid WHERE s.split = 'baseline' AND s.model_uid = 'minimax' AND s.round >= 1""").to_pylist()
     assert f["minimax_draw_rate"] == pytest.approx(draws[0]["d"])
+    probes = {(p["player"], p["probe"]): p for p in f["probes"]}
+    assert {("learner", "first-free"), (LEGAL_RANDOM_UID, "first-free"), ("minimax", "take-a-win")} <= probes.keys()
+    con = lake.connect()
+    try:
+        counts = strength.probe_counts(con, rl.run.name)
+    finally:
+        con.close()
+    per_round = [p for r in (1, 2, 3) for p in strength.probe_rows(counts, [r])
+                 if p["player"] == "learner" and p["probe"] == "first-free"]
+    assert sum(p["decisions"] for p in per_round) == probes[("learner", "first-free")]["decisions"] > 0
+    assert all("first-free" in r["learner_probes"] for r in rec["rounds"])
 
     # `loop`'s line and the run page pool the same rounds
     from unstable_dask.loop import round_summary

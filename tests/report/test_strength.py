@@ -41,15 +41,21 @@ def test_probes_read_real_tictactoe_states():
     for move in ("[0]", "[3]", "[1]"):  # O takes 0 and 1: X (to move) must block 2 and has no win
         env.step(move)
     _, obs = env.get_observation()
-    assert strength.classify(TTT, obs, "I block: [2]") == {"forced-block": True}
-    assert strength.classify(TTT, obs, "[5]") == {"forced-block": False}
-    assert strength.classify(TTT, obs, "no move at all") == {"forced-block": False}
+    # the lowest empty cell is 2 here: blocking is also the fill order's move
+    assert strength.classify(TTT, obs, "I block: [2]") == {"forced-block": True, "first-free": True}
+    assert strength.classify(TTT, obs, "[5]") == {"forced-block": False, "first-free": False}
+    assert strength.classify(TTT, obs, "no move at all") == {"forced-block": False, "first-free": False}
     env.step("[4]")  # X blocks nothing; O can win at 2
     _, obs = env.get_observation()
-    assert strength.classify(TTT, obs, "[2]") == {"take-a-win": True}
-    assert strength.classify(TTT, obs, "[8] then [2]") == {"take-a-win": False}  # the env reads the first
+    assert strength.classify(TTT, obs, "[2]") == {"take-a-win": True, "first-free": True}
+    assert strength.classify(TTT, obs, "[8] then [2]") == {"take-a-win": False, "first-free": False}  # the env reads the first
     first = _env(TTT, 0).get_observation()[1]
-    assert strength.classify(TTT, first, "[4]") == {}  # nothing to win or block
+    assert strength.classify(TTT, first, "[4]") == {"first-free": False}  # nothing to win or block
+    assert strength.classify(TTT, first, "[0]") == {"first-free": True}
+    env = _env(TTT, 0)
+    for move in ("[0]", "[1]", "[3]", "[4]", "[2]", "[5]", "[7]", "[6]"):  # one empty cell left: no choice
+        env.step(move)
+    assert strength.classify(TTT, env.get_observation()[1], "[8]") == {}
 
 
 def test_probes_read_real_kuhn_states():
@@ -123,9 +129,11 @@ def _recount(board: str, action: str) -> dict[str, bool]:
         return {c for ln in LINES for c in ln if board[c] == "." and sum(board[x] == mark for x in ln) == 2}
     mine, theirs = wins(me), wins(other)
     cell = int(action.split("[", 1)[1].split("]", 1)[0].strip()) if "[" in (action or "") and "]" in action else None
+    empty = [c for c in range(9) if board[c] == "."]
+    out = {"first-free": cell == empty[0]} if len(empty) >= 2 else {}
     if mine:
-        return {"take-a-win": cell in mine}
-    return {"forced-block": cell in theirs} if len(theirs) == 1 else {}
+        return out | {"take-a-win": cell in mine}
+    return out | ({"forced-block": cell in theirs} if len(theirs) == 1 else {})
 
 
 @pytest.mark.slow

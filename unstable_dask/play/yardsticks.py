@@ -4,7 +4,9 @@ A strategy's score is P(win) + P(draw)/2 in one seat, averaged over both seats: 
 rate (draws half), which `seats.reward` gives as +1 win, 0 draw, -1 loss. Every figure is an exact
 fraction over every deal and every move of both players, under the rules TextArena plays:
 
-  TicTacToe   legal-random; take-a-win (a winning move when there is one, else random);
+  TicTacToe   legal-random; first-free (the lowest-numbered empty cell: a fixed fill order, which
+              wins along the top row whenever random fails to block it); take-a-win (a winning move
+              when there is one, else random); take-a-win-else-first-free;
               win-or-block (else a move that stops the opponent's win, else random); minimax (the
               expert agent); best-response (the best reply to the random agent: expectimax)
   KuhnPoker   legal-random; kuhn-best (the expert agent) over one hand (KuhnPoker-v0-single) or
@@ -77,7 +79,18 @@ def best_response(board: str) -> Dist:
     return _uniform(c for c, v in values.items() if v == top)
 
 
-TICTACTOE: dict[str, BoardPolicy] = {"legal-random": legal_random, "take-a-win": take_a_win,
+def first_free(board: str) -> Dist:
+    """A fixed fill order: the lowest-numbered empty cell (what RL against random collapsed to)."""
+    return {board.index("."): Fraction(1)}
+
+
+def take_a_win_else_first_free(board: str) -> Dist:
+    wins = winning_cells(board, to_move(board))
+    return {wins[0]: Fraction(1)} if wins else first_free(board)
+
+
+TICTACTOE: dict[str, BoardPolicy] = {"legal-random": legal_random, "first-free": first_free,
+                                     "take-a-win": take_a_win, "take-a-win-else-first-free": take_a_win_else_first_free,
                                      "win-or-block": win_or_block, "minimax": minimax, "best-response": best_response}
 
 

@@ -2,10 +2,15 @@
 
 Probes count, over the subject's turns of the eval games (the learner's seats) and of each
 round.eval_baseline agent's replays of them (its seats), how often it made the move a strong player
-makes in a state where that move is plain (read from the turn's observation and action):
+makes in a state where that move is plain (read from the turn's observation and action), and one
+tell of a policy that does not look at the board:
 
   take-a-win    TicTacToe: the mover had a cell that completes its line, and took one
   forced-block  TicTacToe: no such cell, the opponent had exactly one, and the mover took it
+  first-free    TicTacToe, any decision with two or more empty cells: it took the lowest-numbered
+                one. Not a strong move but a tell: a fixed fill order beats the random agent
+                (0.63, play/yardsticks.py) without looking at the board, and a learner near 1.0
+                here has learned that order, not the game
   bet-with-K    Kuhn Poker: holding the K with [bet] legal, it bet
   fold-with-J   Kuhn Poker: holding the J facing a bet ([fold] legal), it folded
 
@@ -31,7 +36,7 @@ from unstable_dask.play.yardsticks import winning_cells
 
 Z95 = 1.959963984540054
 LEARNER = "learner"  # a pooled row of the eval games: each round's checkpoint in the learner's seats
-PROBES = ("take-a-win", "forced-block", "bet-with-K", "fold-with-J")
+PROBES = ("take-a-win", "forced-block", "first-free", "bet-with-K", "fold-with-J")
 
 # The seats under study, shared by the curves (report.CURVES_SQL) and the probes: the learner's, and
 # in a baseline game (round.eval_baseline) the agent's that sat where the eval twin's learner sat
@@ -63,11 +68,12 @@ def _tictactoe(env_id: str, obs: str, action: Optional[str]) -> dict[str, bool]:
     wins, threats = winning_cells(board, me), winning_cells(board, "X" if me == "O" else "O")
     m = _CELL.search(action or "")
     cell = int(m.group(1)) if m else None
+    out = {"first-free": cell == board.index(".")} if board.count(".") >= 2 else {}
     if wins:
-        return {"take-a-win": cell in wins}
+        return out | {"take-a-win": cell in wins}
     if len(threats) == 1:
-        return {"forced-block": cell == threats[0]}
-    return {}
+        return out | {"forced-block": cell == threats[0]}
+    return out
 
 
 def _kuhn(env_id: str, obs: str, action: Optional[str]) -> dict[str, bool]:
