@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 from unstable_dask.play.agents import legal_moves
 from unstable_dask.play.experts import board_from_obs, game_of, to_move
+from unstable_dask.play.prompts import move_rule
 from unstable_dask.play.yardsticks import winning_cells
 
 Z95 = 1.959963984540054
@@ -54,8 +55,6 @@ FROM turns t JOIN subject_ s ON s.run = t.run AND s.game_id = t.game_id AND s.pi
 WHERE t.run = $1 AND t.split IN ('eval', 'baseline') AND s.subject
   AND (t.env_id LIKE 'TicTacToe-%' OR t.env_id LIKE 'KuhnPoker-%')"""
 
-_CELL = re.compile(r"\[\s*(\d+)\s*\]")  # TextArena's TicTacToe reads the first such move
-_KUHN_MOVE = re.compile(r"\[(check|bet|fold|call)\]", re.IGNORECASE)  # and its Kuhn Poker this one
 _CARD = re.compile(r"Your card is: '([JQK])'")
 
 
@@ -66,7 +65,7 @@ def _tictactoe(env_id: str, obs: str, action: Optional[str]) -> dict[str, bool]:
         return {}
     me = to_move(board)
     wins, threats = winning_cells(board, me), winning_cells(board, "X" if me == "O" else "O")
-    m = _CELL.search(action or "")
+    m = move_rule(env_id).search(action or "")  # the move the env read
     cell = int(m.group(1)) if m else None
     out = {"first-free": cell == board.index(".")} if board.count(".") >= 2 else {}
     if wins:
@@ -80,7 +79,7 @@ def _kuhn(env_id: str, obs: str, action: Optional[str]) -> dict[str, bool]:
     cards = _CARD.findall(obs)
     if not cards:
         return {}
-    legal, m = legal_moves(env_id, obs), _KUHN_MOVE.search(action or "")
+    legal, m = legal_moves(env_id, obs), move_rule(env_id).search(action or "")
     move = m.group(1).lower() if m else None
     if cards[-1] == "K" and "[bet]" in legal:
         return {"bet-with-K": move == "bet"}
