@@ -44,7 +44,7 @@ def token_end(tokenizer, ids: list[int], char_end: int) -> int:
 
 def summarise(rows: list[dict], tokenizer) -> dict:
     tokens = [r["completion_tokens"] for r in rows]
-    ends_tok, ends_char, after = [], [], 0
+    ends_tok, ends_char, after, with_action = [], [], 0, 0
     for r in rows:
         end = action_end(r["completion"] or "", r["env_id"], prompt_answer_prefix(r["prompt"] or ""))
         if end is None:
@@ -53,8 +53,7 @@ def summarise(rows: list[dict], tokenizer) -> dict:
         ends_tok.append(n)
         ends_char.append(end)
         after += r["completion_tokens"] - n
-    with_action = sum(r["completion_tokens"] for r in rows
-                      if action_end(r["completion"] or "", r["env_id"], prompt_answer_prefix(r["prompt"] or "")) is not None)
+        with_action += r["completion_tokens"]
 
     def stats(xs: list) -> dict:
         return {"mean": round(statistics.fmean(xs), 2), "median": statistics.median(xs), "min": min(xs),

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 from unstable_dask.play.agents import legal_moves
 from unstable_dask.play.experts import board_from_obs, game_of, to_move
 from unstable_dask.play.prompts import move_rule
-from unstable_dask.play.yardsticks import winning_cells
+from unstable_dask.play.yardsticks import first_free, winning_cells
 
 Z95 = 1.959963984540054
 LEARNER = "learner"  # a pooled row of the eval games: each round's checkpoint in the learner's seats
@@ -67,7 +67,7 @@ def _tictactoe(env_id: str, obs: str, action: Optional[str]) -> dict[str, bool]:
     wins, threats = winning_cells(board, me), winning_cells(board, "X" if me == "O" else "O")
     m = move_rule(env_id).search(action or "")  # the move the env read
     cell = int(m.group(1)) if m else None
-    out = {"first-free": cell == board.index(".")} if board.count(".") >= 2 else {}
+    out = {"first-free": cell in first_free(board)} if board.count(".") >= 2 else {}
     if wins:
         return out | {"take-a-win": cell in wins}
     if len(threats) == 1:
