@@ -12,6 +12,10 @@ checkpoint commits (round + learn + whatever the loop waits for in between), whi
 loop that prints no breakdown (the before figure of docs/benchmarks/iteration.md).
 
     python bench/loop/bench_iteration.py [--job jobs/smollm2-learn.toml] [--rounds 3] [--name iteration]
+    python bench/loop/bench_iteration.py --job jobs/smollm2-cpu.toml --resident never auto --name iteration-resident
+
+`--resident A B`: the loop once per learn.resident setting, in turn from empty lakes, the fixed cost
+per iteration compared from iteration 2 on (the first has nothing kept and imports the learner).
 
 Writes bench/results/<name>.json and prints markdown rows.
 """
@@ -45,10 +49,11 @@ FIXED = ("time_dispatch_s", "time_model_load_s", "time_batch_query_s", "time_sav
 LINE = re.compile(r"iteration (\d+): (?:round ([\d.]+) s, )?learn ([\d.]+) s .*?(?:, rate ([\d.]+) s)?(?:, report ([\d.]+) s)?$")
 
 
-def run_once(job_path: str | None, rounds: int) -> dict:
+def run_once(job_path: str | None, rounds: int, resident: str | None = None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="iteration"))
     atexit.register(shutil.rmtree, tmp, True)
-    job = load_job(job_path, {"run.lake": str(tmp / "lake"), "run.reports": str(tmp / "reports")})
+    overrides = {"run.lake": str(tmp / "lake"), "run.reports": str(tmp / "reports")}
+    job = load_job(job_path, overrides | ({"learn.resident": resident} if resident else {}))
     out = io.StringIO()
     t0 = time.time()
     results = loop(job, rounds=rounds, console=Console(file=out, width=400), rate=True)
@@ -93,20 +98,32 @@ def main() -> None:
     ap.add_argument("--job", default=None, help="a job file; default: the default job (builtin:tiny, hf)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--name", default="iteration", help="the result's name under bench/results/")
+    ap.add_argument("--resident", nargs="+", default=None, choices=["auto", "always", "never"],
+                    help="one loop per learn.resident setting, in turn (default: the job's own)")
     args = ap.parse_args()
-    r = run_once(args.job, args.rounds)
-    its = r["iterations"]
-    summary = {k: _mean(its, k) for k in ("fixed_s", "steps_s", *FIXED, "time_commit_s", "round_s", "learn_s",
-                                          "rate_s", "report_s")}
-    data = dict(run=r, mean=summary)
-    save(args.name, data, settings=vars(args))
+    keys = ("fixed_s", "steps_s", *FIXED, "time_commit_s", "round_s", "learn_s", "rate_s", "report_s")
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    print(row(*["job", "wall s", "loop iteration s", "fixed s/iteration", "steps s/iteration", "load", "query", "save",
-               "commit", "round", "learn", "rate", "report"]))
-    print(row(*[args.job or "default", fmt(r["wall_s"]), fmt(r["critical_path_mean_s"]), fmt(summary["fixed_s"]),
-               fmt(summary["steps_s"]), fmt(summary["time_model_load_s"]), fmt(summary["time_batch_query_s"]),
-               fmt(summary["time_save_s"]), fmt(summary["time_commit_s"]), fmt(summary["round_s"]),
-               fmt(summary["learn_s"]), fmt(summary["rate_s"]), fmt(summary["report_s"])]))
+    print(row(*["job", "learn.resident", "wall s", "loop iteration s", "fixed s/iteration", "steps s/iteration", "load",
+               "query", "save", "commit", "round", "learn", "rate", "report"]))
+    data: dict = {}
+    for setting in args.resident or [None]:
+        r = run_once(args.job, args.rounds, setting)
+        its = r["iterations"]
+        summary = {k: _mean(its, k) for k in keys}
+        later = {k: _mean(its[1:], k) for k in keys}  # what a kept base can change: iterations 2..R
+        data[setting or "job"] = dict(run=r, mean=summary, mean_from_iteration_2=later)
+        print(row(*[args.job or "default", setting or "(job)", fmt(r["wall_s"]), fmt(r["critical_path_mean_s"]),
+                   *(fmt(summary[k]) for k in ("fixed_s", "steps_s", "time_model_load_s", "time_batch_query_s",
+                                               "time_save_s", "time_commit_s", "round_s", "learn_s", "rate_s",
+                                               "report_s"))]))
+    if len(data) == 2:  # the second setting against the first, iterations 2..R
+        (a, ra), (b, rb) = data.items()
+        ratio = {k: rb["mean_from_iteration_2"][k] / ra["mean_from_iteration_2"][k]
+                 for k in ("fixed_s", "time_model_load_s", "learn_s")
+                 if ra["mean_from_iteration_2"][k] and rb["mean_from_iteration_2"][k] is not None}
+        data["ratio"] = dict(of=f"{b} / {a}", **ratio)
+        print(f"{b} / {a}, iterations 2..{args.rounds}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
+    save(args.name, data if args.resident else data["job"], settings=vars(args))
 
 
 if __name__ == "__main__":

@@ -234,3 +234,28 @@ def test_rows_played_as_the_base_model_must_have_been_served_without_an_adapter(
     with pytest.raises(JobError, match=r"turn 2 of game g \(round 0\) of run 't' was played by adapter weights "
                                        r"0123456789ab, but its checkpoint is 'base'"):
         served_weights(job, p, pa.table(rows | {"adapter_sha256": [None, "0123456789abcdef"]}))
+
+
+@pytest.mark.parametrize("algorithm", ["reinforce", "a2c"])
+def test_a_resident_base_trains_the_same_adapters_as_loading_it_every_iteration(tmp_path, algorithm):
+    """learn.resident: two iterations in one process, the second on the base the first handed back
+    (policy and, for A2C, critic), give the adapter files that loading the base each time gives."""
+    from unstable_dask.learn import resident
+
+    got = {}
+    for setting in ("never", "always"):
+        resident.clear()
+        lake = make_lake(tmp_path / setting, rounds=1, games=12)
+        job = job_for(lake, algorithm=algorithm, resident=setting, gradient_checkpointing=True)
+        learn(job)
+        kept = resident.kept()  # handed back without LoRA layers: the base as loaded
+        assert len(kept) == (2 if algorithm == "a2c" and setting == "always" else int(setting == "always"))
+        assert not any("lora" in name for model in kept for name, _ in model.named_modules())
+        make_lake(lake, rounds=1, games=12, seed=1, first=2, uid="ckpt-1")
+        r2 = learn(job)
+        folder = lake / r2.adapter_path
+        got[setting] = {f.relative_to(folder).as_posix(): f.read_bytes() for f in sorted(folder.rglob("*.safetensors"))
+                        } | {"value_head": (folder / "critic" / "value_head.pt").read_bytes() if algorithm == "a2c" else b""}
+    resident.clear()
+    assert got["never"].keys() == got["always"].keys() and len(got["never"]) >= 2 - (algorithm != "a2c")
+    assert got["never"] == got["always"]

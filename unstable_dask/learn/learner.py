@@ -280,7 +280,9 @@ def _train(job: Job, lake: Lake, p: Plan, device: str, submitted: Optional[float
                      rounds=p.rounds, device=device, created_at=now(),
                      table_versions=json.dumps(p.versions, sort_keys=True), **_cuda_memory(device))
             steps.append(m)
+        share = job.model.vllm.gpu_memory_utilization if engines else None  # what a waking engine takes again
         if not distributed.finished(trainer):  # every rank done, same weights; rank 0 alone saves and commits
+            trainer.release(share)
             return None
         con = lake.connect()
         try:  # the EMA's state after the window, from the same games as its batches (learn/ema.py)
@@ -296,6 +298,7 @@ def _train(job: Job, lake: Lake, p: Plan, device: str, submitted: Optional[float
         t_save = time.perf_counter()
         digest = _save_atomic(trainer, lake.location(rel))
         timing["time_save_s"] = time.perf_counter() - t_save
+        trainer.release(share)  # the base stays for the next iteration where learn.resident allows
     finally:
         t = time.perf_counter()
         for e in engines:

@@ -22,7 +22,7 @@ import torch
 
 from unstable_dask.config import Job
 from unstable_dask.errors import JobError
-from unstable_dask.learn import algorithms, distributed, selection
+from unstable_dask.learn import algorithms, distributed, resident, selection
 from unstable_dask.learn.passes import Mismatch
 from unstable_dask.learn.rewards import transform_values
 from unstable_dask.learn.tokens import behaviour_logprobs, prompt_ids, through_action, tokenize
@@ -92,14 +92,16 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.tokenizer.eos_token_id
-        torch.manual_seed(job.run.seed)  # LoRA init (A ~ kaiming, B = 0) and the value head
-        base = _backbone(AutoModelForCausalLM, path, job, device)
+        self._bases: list[tuple[tuple, Any]] = []  # (resident key, what unloads to the base) handed back by release
+        base = self._base(AutoModelForCausalLM, path)
+        torch.manual_seed(job.run.seed)  # LoRA init (A ~ kaiming, B = 0) and the value head: after the load, which may be skipped
         self.dtype = compute_dtype(self.cfg.dtype, device, base.config.hidden_size)
         if parent_adapter:
             check_lora_shape(job, Path(parent_adapter))
             self.policy = PeftModel.from_pretrained(base, parent_adapter, is_trainable=True)
         else:
             self.policy = get_peft_model(base, lora_config(job, "CAUSAL_LM"))
+        self._bases.append((self._bases.pop()[0], self.policy))
         self.optimizer = _adamw(self.policy.parameters(), self.cfg.lr, job)
         self.updates = 0
         if parent_adapter and (Path(parent_adapter) / "optimizer.pt").is_file():
@@ -116,7 +118,7 @@ class Trainer:
                          if self.spec.sampling_on == "advantages" else [])
         self.critic = self.critic_optimizer = None
         if self.spec.critic:
-            body = _backbone(AutoModel, path, job, device)
+            body = self._base(AutoModel, path)
             cdir = Path(parent_adapter) / "critic" if parent_adapter else None
             if cdir is not None and (cdir / "adapter_config.json").is_file():
                 body = PeftModel.from_pretrained(body, str(cdir), is_trainable=True)
@@ -127,11 +129,32 @@ class Trainer:
             torch.nn.init.zeros_(head.bias)
             if cdir is not None and (cdir / "value_head.pt").is_file():
                 head.load_state_dict(torch.load(cdir / "value_head.pt", map_location="cpu"))
+            self._bases.append((self._bases.pop()[0], body))
             self.critic = torch.nn.ModuleDict({"body": body, "head": head}).to(device)
             self.critic_optimizer = _adamw(self.critic.parameters(), cast(Any, self.cfg).critic_lr, job)
             if cdir is not None and (cdir / "critic_optimizer.pt").is_file():
                 self.critic_optimizer.load_state_dict(torch.load(cdir / "critic_optimizer.pt", map_location=device))
                 _apply_settings(self.critic_optimizer, cast(Any, self.cfg).critic_lr, self.cfg.weight_decay)
+
+    def _base(self, cls, path: str):
+        """The frozen base: the one this process kept from its last iteration (learn.resident), else loaded."""
+        key = (cls.__name__, path, str(self.device), self.job.model.dtype, self.cfg.quantization,
+               self.cfg.gradient_checkpointing)
+        model = resident.take(key, lambda: _backbone(cls, path, self.job, self.device), self.cfg.resident != "never")
+        self._bases.append((key, model))
+        return model
+
+    def release(self, engine_memory_share: Optional[float] = None) -> None:
+        """After a committed iteration: hand the base models back to the process's resident set
+        without their LoRA layers, where learn.resident allows (`engine_memory_share`: the
+        gpu_memory_utilization of an engine resident on this GPU). The Trainer is done after it."""
+        for key, wrapped in self._bases:
+            if resident.fits(self.cfg.resident, self.device, wrapped, engine_memory_share):
+                base = wrapped.unload()  # peft: the LoRA layers out, the frozen base as it was loaded
+                if getattr(base, "_require_grads_hooks", None) or hasattr(base, "_require_grads_hook"):
+                    base.disable_input_require_grads()  # peft's input hook: the next wrap adds its own
+                resident.give_back(key, base)
+        self._bases = []
 
     def batch(self, table: pa.Table, seed: int = 0, guard_uid: Optional[str] = None) -> algorithms.Batch:
         """The tensors an update needs from the batch query's rows: exact ids, advantages, settings."""
