@@ -92,8 +92,7 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.tokenizer.eos_token_id
-        self._bases: list[tuple[tuple, Any]] = []  # (resident key, what unloads to the base) handed back by release
-        base = self._base(AutoModelForCausalLM, path)
+        key, base = self._base(AutoModelForCausalLM, path)
         torch.manual_seed(job.run.seed)  # LoRA init (A ~ kaiming, B = 0) and the value head: after the load, which may be skipped
         self.dtype = compute_dtype(self.cfg.dtype, device, base.config.hidden_size)
         if parent_adapter:
@@ -101,7 +100,7 @@ class Trainer:
             self.policy = PeftModel.from_pretrained(base, parent_adapter, is_trainable=True)
         else:
             self.policy = get_peft_model(base, lora_config(job, "CAUSAL_LM"))
-        self._bases.append((self._bases.pop()[0], self.policy))
+        self._bases: list[tuple[tuple, Any]] = [(key, self.policy)]  # what release() unloads and hands back
         self.optimizer = _adamw(self.policy.parameters(), self.cfg.lr, job)
         self.updates = 0
         if parent_adapter and (Path(parent_adapter) / "optimizer.pt").is_file():
@@ -118,7 +117,7 @@ class Trainer:
                          if self.spec.sampling_on == "advantages" else [])
         self.critic = self.critic_optimizer = None
         if self.spec.critic:
-            body = self._base(AutoModel, path)
+            ckey, body = self._base(AutoModel, path)
             cdir = Path(parent_adapter) / "critic" if parent_adapter else None
             if cdir is not None and (cdir / "adapter_config.json").is_file():
                 body = PeftModel.from_pretrained(body, str(cdir), is_trainable=True)
@@ -129,23 +128,22 @@ class Trainer:
             torch.nn.init.zeros_(head.bias)
             if cdir is not None and (cdir / "value_head.pt").is_file():
                 head.load_state_dict(torch.load(cdir / "value_head.pt", map_location="cpu"))
-            self._bases.append((self._bases.pop()[0], body))
+            self._bases.append((ckey, body))
             self.critic = torch.nn.ModuleDict({"body": body, "head": head}).to(device)
             self.critic_optimizer = _adamw(self.critic.parameters(), cast(Any, self.cfg).critic_lr, job)
             if cdir is not None and (cdir / "critic_optimizer.pt").is_file():
                 self.critic_optimizer.load_state_dict(torch.load(cdir / "critic_optimizer.pt", map_location=device))
                 _apply_settings(self.critic_optimizer, cast(Any, self.cfg).critic_lr, self.cfg.weight_decay)
 
-    def _base(self, cls, path: str):
-        """The frozen base: the one this process kept from its last iteration (learn.resident), else loaded."""
+    def _base(self, cls, path: str) -> tuple[tuple, Any]:
+        """(its resident key, the frozen base): the one this process kept from its last iteration
+        (learn.resident), else a freshly loaded one."""
         key = (cls.__name__, path, str(self.device), self.job.model.dtype, self.cfg.quantization,
                self.cfg.gradient_checkpointing)
-        model = resident.take(key, lambda: _backbone(cls, path, self.job, self.device), self.cfg.resident != "never")
-        self._bases.append((key, model))
-        return model
+        return key, resident.take(key, lambda: _backbone(cls, path, self.job, self.device), self.cfg.resident != "never")
 
     def release(self, engine_memory_share: Optional[float] = None) -> None:
-        """After a committed iteration: hand the base models back to the process's resident set
+        """After the iteration's updates: hand the base models back to the process's resident set
         without their LoRA layers, where learn.resident allows (`engine_memory_share`: the
         gpu_memory_utilization of an engine resident on this GPU). The Trainer is done after it."""
         for key, wrapped in self._bases:
