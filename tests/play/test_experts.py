@@ -150,7 +150,9 @@ def test_tictactoe_yardsticks():
     assert max(got.values()) == got["best-response"] > got["minimax"] > got["win-or-block"]
     # a fixed fill order beats random (the top row goes unblocked) but not take-a-win
     assert got["legal-random"] < got["first-free"] < got["take-a-win"] < got["take-a-win-else-first-free"] \
-        < got["win-or-block"]
+        < got["win-or-block"] < got["win-or-block-else-first-free"]
+    # blocking is worth more against random than the wins the fill order already takes
+    assert got["win-or-block-else-first-free"] - got["take-a-win-else-first-free"] > Fraction(3, 20)
 
 
 @pytest.mark.parametrize("seat", [0, 1])

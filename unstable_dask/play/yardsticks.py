@@ -7,7 +7,8 @@ fraction over every deal and every move of both players, under the rules TextAre
   TicTacToe   legal-random; first-free (the lowest-numbered empty cell: a fixed fill order, which
               wins along the top row whenever random fails to block it); take-a-win (a winning move
               when there is one, else random); take-a-win-else-first-free;
-              win-or-block (else a move that stops the opponent's win, else random); minimax (the
+              win-or-block (else a move that stops the opponent's win, else random);
+              win-or-block-else-first-free (the fill order with those two rules first); minimax (the
               expert agent); best-response (the best reply to the random agent: expectimax)
   KuhnPoker   legal-random; kuhn-best (the expert agent) over one hand (KuhnPoker-v0-single) or
               the n hands of TextArena's ids (KuhnPoker-v0: 3), where the pot stays at the two antes
@@ -89,9 +90,17 @@ def take_a_win_else_first_free(board: str) -> Dist:
     return {wins[0]: Fraction(1)} if wins else first_free(board)
 
 
+def win_or_block_else_first_free(board: str) -> Dist:
+    """The fill order with win-or-block's two rules first: what blocking adds to what RL found."""
+    me = to_move(board)
+    cells = winning_cells(board, me) or winning_cells(board, "X" if me == "O" else "O")
+    return {cells[0]: Fraction(1)} if cells else first_free(board)
+
+
 TICTACTOE: dict[str, BoardPolicy] = {"legal-random": legal_random, "first-free": first_free,
                                      "take-a-win": take_a_win, "take-a-win-else-first-free": take_a_win_else_first_free,
-                                     "win-or-block": win_or_block, "minimax": minimax, "best-response": best_response}
+                                     "win-or-block": win_or_block,
+                                     "win-or-block-else-first-free": win_or_block_else_first_free, "minimax": minimax, "best-response": best_response}
 
 
 def tictactoe_seat_score(policy: BoardPolicy, mark: str) -> Fraction:
@@ -177,4 +186,4 @@ def table() -> dict[str, Fraction]:
 
 if __name__ == "__main__":
     for name, score in table().items():
-        print(f"{name:<36} {float(score):.4f}  ({score})")
+        print(f"{name:<40} {float(score):.4f}  ({score})")
