@@ -50,9 +50,10 @@ class LearnConfig(Strict):
     """Recompute activations in the backward pass: measured on CPU (SmolLM2, ~430-token rows,
     micro-batches of 8), 0.31x the update's peak memory at 0.70x the speed (BENCHMARKS.md)."""
     resident: Literal["auto", "always", "never"] = "auto"
-    """Keep the frozen base model loaded in the learner's process between iterations (learn/resident.py):
-    auto keeps it on CPU and on a GPU, beside a resident engine only when it fits in half of what
-    the engine's gpu_memory_utilization leaves free; never loads it every iteration."""
+    """Keep the learner's model (the frozen base in its LoRA layers) and tokenizer loaded in its process
+    between iterations, loading only the parent adapter's weights into it (learn/resident.py): auto
+    keeps it on CPU and on a GPU, beside a resident engine only when it fits in half of what the
+    engine's gpu_memory_utilization leaves free; never builds it every iteration."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the update runs; auto: a GPU worker of the cluster, or this machine's GPU, else CPU."""
     devices: int = Field(1, gt=0)

@@ -80,7 +80,6 @@ def _adamw(params, lr: float, job: Job) -> torch.optim.AdamW:
 
 class Trainer:
     def __init__(self, job: Job, parent_adapter: Optional[str], device: torch.device):
-        from peft import PeftModel, get_peft_model
         from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
         from unstable_dask.cluster.client import driver_threads
@@ -89,18 +88,16 @@ class Trainer:
         if device.type == "cpu":  # not the thread count a local cluster's nannies left in os.environ
             torch.set_num_threads(driver_threads())
         path = resolve_model(job.model.base)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        keep = self.cfg.resident != "never"
+        self.tokenizer = resident.tokenizer(path, lambda: AutoTokenizer.from_pretrained(path), keep)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.tokenizer.eos_token_id
-        key, base = self._base(AutoModelForCausalLM, path)
-        torch.manual_seed(job.run.seed)  # LoRA init (A ~ kaiming, B = 0) and the value head: after the load, which may be skipped
-        self.dtype = compute_dtype(self.cfg.dtype, device, base.config.hidden_size)
         if parent_adapter:
             check_lora_shape(job, Path(parent_adapter))
-            self.policy = PeftModel.from_pretrained(base, parent_adapter, is_trainable=True)
-        else:
-            self.policy = get_peft_model(base, lora_config(job, "CAUSAL_LM"))
-        self._bases: list[tuple[tuple, Any]] = [(key, self.policy)]  # what release() unloads and hands back
+        torch.manual_seed(job.run.seed)  # a fresh LoRA init (A ~ kaiming, B = 0)
+        self._models: list[tuple[tuple, Any]] = []  # (resident key, LoRA-wrapped model): what release() hands back
+        self.policy = self._adapted(AutoModelForCausalLM, "CAUSAL_LM", path, parent_adapter)
+        self.dtype = compute_dtype(self.cfg.dtype, device, self.policy.config.hidden_size)
         self.optimizer = _adamw(self.policy.parameters(), self.cfg.lr, job)
         self.updates = 0
         if parent_adapter and (Path(parent_adapter) / "optimizer.pt").is_file():
@@ -117,42 +114,56 @@ class Trainer:
                          if self.spec.sampling_on == "advantages" else [])
         self.critic = self.critic_optimizer = None
         if self.spec.critic:
-            ckey, body = self._base(AutoModel, path)
             cdir = Path(parent_adapter) / "critic" if parent_adapter else None
-            if cdir is not None and (cdir / "adapter_config.json").is_file():
-                body = PeftModel.from_pretrained(body, str(cdir), is_trainable=True)
-            else:
-                body = get_peft_model(body, lora_config(job, "FEATURE_EXTRACTION"))
-            head = torch.nn.Linear(base.config.hidden_size, 1)
+            saved = cdir is not None and (cdir / "adapter_config.json").is_file()
+            body = self._adapted(AutoModel, "FEATURE_EXTRACTION", path, str(cdir) if saved else None)
+            head = torch.nn.Linear(self.policy.config.hidden_size, 1)
             torch.nn.init.zeros_(head.weight)  # V = 0 at start: the first advantages are the returns
             torch.nn.init.zeros_(head.bias)
             if cdir is not None and (cdir / "value_head.pt").is_file():
                 head.load_state_dict(torch.load(cdir / "value_head.pt", map_location="cpu"))
-            self._bases.append((ckey, body))
             self.critic = torch.nn.ModuleDict({"body": body, "head": head}).to(device)
             self.critic_optimizer = _adamw(self.critic.parameters(), cast(Any, self.cfg).critic_lr, job)
             if cdir is not None and (cdir / "critic_optimizer.pt").is_file():
                 self.critic_optimizer.load_state_dict(torch.load(cdir / "critic_optimizer.pt", map_location=device))
                 _apply_settings(self.critic_optimizer, cast(Any, self.cfg).critic_lr, self.cfg.weight_decay)
+        torch.manual_seed(job.run.seed + self.updates)  # LoRA dropout's stream, whichever way the models came
 
-    def _base(self, cls, path: str) -> tuple[tuple, Any]:
-        """(its resident key, the frozen base): the one this process kept from its last iteration
-        (learn.resident), else a freshly loaded one."""
+    def _adapted(self, cls, task: str, path: str, adapter: Optional[str]) -> Any:
+        """The frozen base wrapped in LoRA: with `adapter`'s weights, else freshly initialised. A
+        model this process kept from its last iteration (learn.resident) takes the adapter's weights
+        in place: no base load, no LoRA layers built again (tests/learn/test_learn.py: the same
+        adapter files as loading both each time)."""
+        from peft import PeftModel, get_peft_model
+        from peft.utils import load_peft_weights, set_peft_model_state_dict
         key = (cls.__name__, path, str(self.device), self.job.model.dtype, self.cfg.quantization,
-               self.cfg.gradient_checkpointing)
-        return key, resident.take(key, lambda: _backbone(cls, path, self.job, self.device), self.cfg.resident != "never")
+               self.cfg.gradient_checkpointing, repr(self.job.model.lora))
+        model = resident.take(key, self.cfg.resident != "never") if adapter else None
+        if adapter and model is not None:
+            loaded: Any = set_peft_model_state_dict(model, load_peft_weights(adapter, device=str(self.device)))
+            missing = [k for k in loaded.missing_keys if "lora_" in k]
+            if loaded.unexpected_keys or missing:  # check_lora_shape passed: a bug, not a user's error
+                raise RuntimeError(f"adapter {adapter} does not fit the kept LoRA layers: unexpected "
+                                   f"{loaded.unexpected_keys[:3]}, missing {missing[:3]}")
+            model.eval()  # as from_pretrained leaves a model; the algorithms switch to train themselves
+        elif adapter:
+            model = PeftModel.from_pretrained(_backbone(cls, path, self.job, self.device), adapter, is_trainable=True)
+        else:
+            model = get_peft_model(_backbone(cls, path, self.job, self.device), lora_config(self.job, task))
+        self._models.append((key, model))
+        return model
 
     def release(self, engine_memory_share: Optional[float] = None) -> None:
-        """After the iteration's updates: hand the base models back to the process's resident set
-        without their LoRA layers, where learn.resident allows (`engine_memory_share`: the
-        gpu_memory_utilization of an engine resident on this GPU). The Trainer is done after it."""
-        for key, wrapped in self._bases:
-            if resident.fits(self.cfg.resident, self.device, wrapped, engine_memory_share):
-                base = wrapped.unload()  # peft: the LoRA layers out, the frozen base as it was loaded
-                if getattr(base, "_require_grads_hooks", None) or hasattr(base, "_require_grads_hook"):
-                    base.disable_input_require_grads()  # peft's input hook: the next wrap adds its own
-                resident.give_back(key, base)
-        self._bases = []
+        """After the iteration's updates: hand the LoRA-wrapped models back to the process's
+        resident set, where learn.resident allows (`engine_memory_share`: the gpu_memory_utilization
+        of an engine resident on this GPU); the next Trainer loads its parent's weights into them.
+        The Trainer is done after it."""
+        for key, model in self._models:
+            if resident.fits(self.cfg.resident, self.device, model, engine_memory_share):
+                for p in model.parameters():
+                    p.grad = None
+                resident.give_back(key, model)
+        self._models = []
 
     def batch(self, table: pa.Table, seed: int = 0, guard_uid: Optional[str] = None) -> algorithms.Batch:
         """The tensors an update needs from the batch query's rows: exact ids, advantages, settings."""
