@@ -25,7 +25,8 @@ trained on: did the move it grew pay, and was the better one sampled at all?); a
 sampling entropy on the round's own training samples (learner_steps.entropy of the updates that
 trained on them: what `learn.entropy_coef` holds up). The probes of report/strength.py (take-a-win,
 forced-block, first-free, bet-with-K, fold-with-J): the learner's rate per round
-(`learner_probes`), and `final.probes` over the verdict's rounds for the learner and each baseline
+(`learner_probes`), the same probes over its train decisions with its seat's game reward after
+making the probed move and after not (`train_probes`: what the update was fed), and `final.probes` over the verdict's rounds for the learner and each baseline
 agent, with Wilson intervals (a first-free rate near 1 is a fixed fill order, not strategy). Every league of the lake that ranked
 the run's checkpoints (a self-play run's verdict) adds its Spearman correlation of iteration and
 rating and the last checkpoint's and base model's ratings with intervals. Nothing is typed by hand:
@@ -117,6 +118,7 @@ def run_rows(con, run_name: str) -> dict:
     entropy = dict(con.sql("""SELECT r, avg(entropy) FROM (SELECT unnest(rounds) AS r, entropy FROM learner_steps
                               WHERE run = ?) GROUP BY r""", params=[run_name]).fetchall())
     probes = strength.probe_counts(con, run_name)
+    trained = strength.train_probe_rewards(con, run_name)
     rounds = []
     for k in sorted({r["round"] for r in rows}):
         ev = {r["opponent"]: r for r in rows if r["round"] == k and r["split"] == "eval" and r["opponent"] != "*"}
@@ -136,7 +138,8 @@ def run_rows(con, run_name: str) -> dict:
                 "invalid_rate": e["invalid_rate"],
                 "learner_entropy": entropy.get(k),
                 "learner_probes": {p["probe"]: p["rate"] for p in strength.probe_rows(probes, [k])
-                                   if p["split"] == "eval"}})
+                                   if p["split"] == "eval"},
+                "train_probes": {probe: t for (r, probe), t in sorted(trained.items()) if r == k}})
             if k in kuhn:  # what it chose, not only how it scored
                 rounds[-1].update(zip(("kuhn_bet_share", "kuhn_bet_legal_turns", "kuhn_fold_share",
                                        "kuhn_facing_bet_turns", "kuhn_invalid_when_bet_legal",

@@ -15,6 +15,8 @@ from unstable_dask.learn.learner import learn
 from unstable_dask.play.round import play_round
 from unstable_dask.report import strength
 
+from helpers.tictactoe import boards, recount
+
 ROOT = Path(__file__).resolve().parents[2]
 TTT = {"env_id": "TicTacToe-v0-train", "num_players": 2, "num_actors": 1}
 
@@ -85,6 +87,31 @@ def test_strategy_record_of_a_real_run(tmp_path, local_client):
                  if p["player"] == "learner" and p["probe"] == "first-free"]
     assert sum(p["decisions"] for p in per_round) == probes[("learner", "first-free")]["decisions"] > 0
     assert all("first-free" in r["learner_probes"] for r in rec["rounds"])
+
+    # train_probes: the learner's train decisions recounted from each game's move sequence, with its seat's reward
+    turns = lake.sql("""SELECT t.round, t.game_id, t.turn, t.pid, t.action, t.invalid_move, t.is_learner, s.reward
+                        FROM turns t JOIN seats s ON s.game_id = t.game_id AND s.pid = t.pid
+                        WHERE t.split = 'train' AND t.run = ?""", params=[rl.run.name]).to_pylist()
+    by_game: dict[str, list[dict]] = {}
+    for t in turns:
+        by_game.setdefault(t["game_id"], []).append(t)
+    expected: dict[tuple[int, str], dict] = {}
+    for ts in by_game.values():
+        learner, reward = {(t["pid"], t["reward"]) for t in ts if t["is_learner"]}.pop()
+        for board, pid, action in boards(ts):
+            for probe, hit in recount(board, action).items() if pid == learner else ():
+                e = expected.setdefault((ts[0]["round"], probe), {"made": [], "missed": []})
+                e["made" if hit else "missed"].append(reward)
+    assert {k[0] for k in expected} == {0, 1, 2, 3}  # the tiny model's moves are rarely valid: mostly first-free here
+    for r in rec["rounds"]:
+        got = {(r["round"], p): t for p, t in r["train_probes"].items()}
+        want = {k: v for k, v in expected.items() if k[0] == r["round"]}
+        assert got.keys() == want.keys()
+        for k, t in got.items():
+            made, missed = want[k]["made"], want[k]["missed"]
+            assert (t["decisions"], t["made"]) == (len(made) + len(missed), len(made))
+            for mean, xs in ((t["reward_made"], made), (t["reward_missed"], missed)):
+                assert mean == (pytest.approx(sum(xs) / len(xs)) if xs else None)
 
     # `loop`'s line and the run page pool the same rounds
     from unstable_dask.loop import round_summary

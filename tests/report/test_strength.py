@@ -17,8 +17,9 @@ from unstable_dask.play.task import play_task
 from unstable_dask.report import strength
 from unstable_dask.report.report import round_curves
 
+from helpers.tictactoe import boards, recount
+
 TTT = "TicTacToe-v0-train"
-LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
 
 
 def _env(env_id: str, seed: int):
@@ -81,6 +82,36 @@ def test_probes_read_real_kuhn_states():
     assert seen == {"K", "J"}
 
 
+def test_train_probes_pair_each_decision_with_its_seat_s_reward():
+    """train_probe_rewards over real observations: per round and probe, the decisions, how many made
+    the probed move, and the mean game reward after making it and after missing it."""
+    import duckdb
+    env = _env(TTT, 0)
+    for move in ("[0]", "[3]", "[1]"):  # X (pid 1) to move must block 2
+        env.step(move)
+    block = env.get_observation()[1]
+    empty = _env(TTT, 0).get_observation()[1]
+    con = duckdb.connect()
+    con.execute("CREATE TABLE turns (run VARCHAR, round BIGINT, game_id VARCHAR, pid INT, split VARCHAR, "
+                "is_learner BOOLEAN, env_id VARCHAR, observation VARCHAR, action VARCHAR)")
+    con.execute("CREATE TABLE seats (run VARCHAR, game_id VARCHAR, pid INT, reward DOUBLE)")
+    rows = [  # game, pid, split, is_learner, observation, action, the seat's reward
+        ("g1", 1, "train", True, block, "[2]", 0.0), ("g2", 1, "train", True, block, "[2]", 1.0),
+        ("g3", 1, "train", True, block, "[5]", -1.0), ("g3", 1, "train", True, empty, "[0]", -1.0),
+        ("g4", 0, "train", False, block, "[5]", 1.0),  # an opponent's decision: not the learner's
+        ("g5", 1, "eval", True, block, "[5]", -1.0)]  # an eval game: not trained on
+    for gid, pid, split, learner, obs, action, reward in rows:
+        con.execute("INSERT INTO turns VALUES ('r', 4, ?, ?, ?, ?, ?, ?, ?)", [gid, pid, split, learner, TTT, obs, action])
+        con.execute("INSERT INTO seats SELECT 'r', ?, ?, ? WHERE NOT EXISTS (SELECT 1 FROM seats WHERE game_id = ? AND pid = ?)",
+                    [gid, pid, reward, gid, pid])
+    got = strength.train_probe_rewards(con, "r")
+    assert got[(4, "forced-block")] == {"decisions": 3, "made": 2, "reward_made": 0.5, "reward_missed": -1.0}
+    # [2] is also the lowest empty cell there; the empty board's [0] too
+    assert got[(4, "first-free")] == {"decisions": 4, "made": 3, "reward_made": pytest.approx(0.0), "reward_missed": -1.0}
+    assert got.keys() == {(4, "forced-block"), (4, "first-free")}
+    assert strength.train_probe_rewards(con, "other run") == {}
+
+
 def test_wilson_interval_by_hand():
     # p = 0.375, n = 20: centre (p + z^2/2n) / (1 + z^2/n) = 0.3952, half-width 0.1954
     low, high = strength.wilson(7.5, 20)
@@ -108,33 +139,6 @@ def test_a_baseline_agent_that_cannot_play_is_refused_at_load(tmp_path, names, m
 
 
 # ---------------------------------------------------------------- a real round
-
-def _boards(turns: list[dict]) -> list[tuple[str, int, str]]:
-    """(board before the move, mover pid, action) per turn, rebuilt from the game's valid moves (not
-    from the observation text the probes read); the first mover plays 'O'."""
-    out, cells, marks = [], ["."] * 9, {}
-    for t in sorted(turns, key=lambda t: t["turn"]):
-        marks.setdefault(t["pid"], "O" if not marks else "X")
-        out.append(("".join(cells), t["pid"], t["action"]))
-        if not t["invalid_move"]:
-            cells[int(t["action"].split("[", 1)[1].split("]", 1)[0].strip())] = marks[t["pid"]]
-    return out
-
-
-def _recount(board: str, action: str) -> dict[str, bool]:
-    me = "O" if board.count("O") == board.count("X") else "X"
-    other = "X" if me == "O" else "O"
-
-    def wins(mark: str) -> set[int]:
-        return {c for ln in LINES for c in ln if board[c] == "." and sum(board[x] == mark for x in ln) == 2}
-    mine, theirs = wins(me), wins(other)
-    cell = int(action.split("[", 1)[1].split("]", 1)[0].strip()) if "[" in (action or "") and "]" in action else None
-    empty = [c for c in range(9) if board[c] == "."]
-    out = {"first-free": cell == empty[0]} if len(empty) >= 2 else {}
-    if mine:
-        return out | {"take-a-win": cell in mine}
-    return out | ({"forced-block": cell in theirs} if len(theirs) == 1 else {})
-
 
 @pytest.mark.slow
 def test_baseline_agents_replay_the_eval_games_and_the_probes_count_their_moves(tmp_path):
@@ -187,10 +191,10 @@ def test_baseline_agents_replay_the_eval_games_and_the_probes_count_their_moves(
         by_game.setdefault(t["game_id"], []).append(t)
     for gid, ts in by_game.items():
         player = "minimax" if "-baseline-minimax-" in gid else LEGAL_RANDOM_UID
-        for board, pid, action in _boards(ts):
+        for board, pid, action in boards(ts):
             if pid != subject[gid]:
                 continue
-            for probe, hit in _recount(board, action).items():
+            for probe, hit in recount(board, action).items():
                 c = expected.setdefault((player, probe), [0, 0])
                 c[0], c[1] = c[0] + 1, c[1] + hit
                 if player == "minimax" and probe == "forced-block" and value(board) > -1:

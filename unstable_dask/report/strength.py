@@ -20,6 +20,10 @@ it draws uniformly among moves of equal game value, so it may win later instead 
 lost position it need not block. Under TextArena's Kuhn rules the best reply bets with the K and
 never folds (play/experts.py: kuhn-best scores 1 and 0).
 
+The same probes over the learner's train decisions, with its seat's game reward after making the
+probed move and after not (train_probe_rewards), show what the updates were fed: whether the move
+paid in those games, and whether it was sampled at all.
+
 Pooled figures add up the eval rows of round_curves (report.py) over the latest round.pool_rounds
 rounds: one Wilson 95% interval over all their seats, for the learner and for each baseline agent
 on the same rounds' replays of the same games.
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from unstable_dask.play.agents import legal_moves
 from unstable_dask.play.experts import board_from_obs, game_of, to_move
@@ -48,12 +52,21 @@ subject_ AS (  -- the seats under study: the learner's, and in baseline games th
     SELECT s.*, s.is_learner OR e.pid IS NOT NULL AS subject FROM seats s LEFT JOIN eval_learners e
         ON s.split = 'baseline' AND e.run = s.run AND e.round = s.round AND e.seed = s.seed AND e.pid = s.pid)"""
 
+PROBED_GAMES = "(t.env_id LIKE 'TicTacToe-%' OR t.env_id LIKE 'KuhnPoker-%')"  # the games _GAMES below reads
+
 # The subject's turns in the games that have probes (observation and action are data: parameters only).
 PROBE_TURNS_SQL = "WITH " + SUBJECT_CTES + """
 SELECT t.round, t.split, s.model_uid AS player, t.env_id, t.observation, t.action
 FROM turns t JOIN subject_ s ON s.run = t.run AND s.game_id = t.game_id AND s.pid = t.pid
 WHERE t.run = $1 AND t.split IN ('eval', 'baseline') AND s.subject
-  AND (t.env_id LIKE 'TicTacToe-%' OR t.env_id LIKE 'KuhnPoker-%')"""
+  AND """ + PROBED_GAMES
+
+# The learner's turns in its train games with its seat's game reward (what its updates were fed).
+TRAIN_PROBE_SQL = """
+SELECT t.round, s.reward, t.env_id, t.observation, t.action
+FROM turns t JOIN seats s ON s.run = t.run AND s.game_id = t.game_id AND s.pid = t.pid
+WHERE t.run = $1 AND t.split = 'train' AND t.is_learner
+  AND """ + PROBED_GAMES
 
 _CARD = re.compile(r"Your card is: '([JQK])'")
 
@@ -105,17 +118,38 @@ def wilson(successes: float, n: int) -> tuple[float, float]:
     return max(centre - half, 0.0), min(centre + half, 1.0)
 
 
+def _probed(con, sql: str, run_name: str) -> Iterator[tuple[tuple, str, bool]]:
+    """(row, probe, made the probed move) for each probe of each decision the query returns; the
+    query's columns end in env_id, observation, action."""
+    cur = con.execute(sql, [run_name])
+    while batch := cur.fetchmany(4096):
+        for row in batch:
+            for probe, hit in classify(*row[-3:]).items():
+                yield row, probe, hit
+
+
 def probe_counts(con, run_name: str) -> dict[tuple[int, str, str, str], list[int]]:
     """(round, split, player, probe) -> [decisions, probed moves made], over the run's eval and baseline turns."""
     out: dict[tuple[int, str, str, str], list[int]] = {}
-    cur = con.execute(PROBE_TURNS_SQL, [run_name])
-    while batch := cur.fetchmany(4096):
-        for round_, split, player, env_id, obs, action in batch:
-            for probe, hit in classify(env_id, obs, action).items():
-                c = out.setdefault((round_, split, player, probe), [0, 0])
-                c[0] += 1
-                c[1] += int(hit)
+    for (round_, split, player, *_), probe, hit in _probed(con, PROBE_TURNS_SQL, run_name):
+        c = out.setdefault((round_, split, player, probe), [0, 0])
+        c[0] += 1
+        c[1] += int(hit)
     return out
+
+
+def train_probe_rewards(con, run_name: str) -> dict[tuple[int, str], dict]:
+    """(round, probe) -> the learner's decisions of that kind in the round's train games (`decisions`),
+    how many made the probed move (`made`), and the mean game reward of its seat after making it
+    (`reward_made`) and after not (`reward_missed`; None where there were none): what its updates
+    were fed for that move, and whether the move was sampled at all."""
+    sums: dict[tuple[int, str], list[float]] = {}
+    for (round_, reward, *_), probe, hit in _probed(con, TRAIN_PROBE_SQL, run_name):
+        s = sums.setdefault((round_, probe), [0, 0, 0.0, 0.0])  # made, missed, their reward sums
+        s[0 if hit else 1] += 1
+        s[2 if hit else 3] += reward
+    return {k: {"decisions": int(made + missed), "made": int(made), "reward_made": rm / made if made else None,
+                "reward_missed": rx / missed if missed else None} for k, (made, missed, rm, rx) in sums.items()}
 
 
 def who(split: str, player: str) -> str:
