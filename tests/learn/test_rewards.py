@@ -19,6 +19,7 @@ from unstable_dask.learn.transforms import (
     NormalizeRewardsByEnv,
     PenaltyForInvalidMove,
     RewardForFormat,
+    StateRelativeAdvantage,
     parse_transform,
     parse_transforms,
 )
@@ -50,9 +51,17 @@ def ref_steps(root, final, rounds, step):
         for t in step:
             if isinstance(t, RewardForFormat):
                 r += t.reward if fmt else t.penalty
-            else:
+            elif isinstance(t, PenaltyForInvalidMove):
                 r += t.penalty if inv else t.reward
         out[(rnd, gid, turn, pid)] = dict(r=r, env=env, group=(group, pid), game=(rnd, gid), prompt=prompt)
+    for t in step:  # over the whole window: each turn against the turns of its state (prompt)
+        if isinstance(t, StateRelativeAdvantage):
+            states = defaultdict(list)
+            for row in out.values():
+                states[row["prompt"]].append(row["r"])
+            for row in out.values():
+                seen = states[row["prompt"]]
+                row["r"] += t.weight * (row["r"] - sum(seen) / len(seen)) if len(seen) > 1 else 0.0
     return out
 
 
@@ -113,7 +122,8 @@ def lake(tmp_path_factory):
 
 FINALS = [RoleAdvantageFormatter(), RoleAdvantageByEnvFormatter(), RoleAdvantageFormatter(0.3),
           RoleAdvantageByEnvFormatter(0.05)]
-STEPS = [[], [RewardForFormat(1.5)], [RewardForFormat(1.5, -0.5), PenaltyForInvalidMove(1.0, -1.0)]]
+STEPS = [[], [RewardForFormat(1.5)], [RewardForFormat(1.5, -0.5), PenaltyForInvalidMove(1.0, -1.0)],
+         [PenaltyForInvalidMove(0.5, -1.0), StateRelativeAdvantage()], [StateRelativeAdvantage(0.5)]]
 SAMPLINGS = [None, NormalizeRewards(), NormalizeRewards(z_score=True), NormalizeRewardsByEnv(),
              NormalizeRewardsByEnv(z_score=True), GroupRelativeAdvantage(), GroupRelativeAdvantage(scale="batch"),
              GroupRelativeAdvantage(scale="none"), GroupRelativeAdvantage("prompt")]
@@ -230,9 +240,11 @@ def test_parser_builds_objects_without_eval():
     assert parse_transform("PenaltyForInvalidMove(1.0, -1.0)", "step") == PenaltyForInvalidMove(1.0, -1.0)
     assert parse_transform("NormalizeRewardsByEnv(z_score=True)", "sampling") == NormalizeRewardsByEnv(True)
     assert parse_transform("RoleAdvantageFormatter", "final") == RoleAdvantageFormatter(0.001)
+    assert parse_transform("StateRelativeAdvantage(0.5)", "step") == StateRelativeAdvantage(0.5)
     for bad, stage in [("__import__('os').system('x')", "step"), ("RewardForFormat(1.5)", "final"),
                        ("RewardForFormat(x)", "step"), ("RoleAdvantageFormatter(tau=2)", "final"),
-                       ("Nope()", "sampling"), ("RewardForFormat(", "step")]:
+                       ("Nope()", "sampling"), ("RewardForFormat(", "step"),
+                       ("StateRelativeAdvantage()", "sampling")]:
         with pytest.raises(JobError):
             parse_transform(bad, stage)
 

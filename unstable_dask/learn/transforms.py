@@ -5,7 +5,8 @@ The three UnstableBaselines pipelines, each a list of small objects that render 
   final     once per game and learner seat, in canonical game order (round, game_id):
             RoleAdvantageFormatter(tau), RoleAdvantageByEnvFormatter(tau), NoForfeitWins()
   step      once per turn, starting from the seat's transformed final reward:
-            RewardForFormat(reward, penalty), PenaltyForInvalidMove(reward, penalty)
+            RewardForFormat(reward, penalty), PenaltyForInvalidMove(reward, penalty),
+            StateRelativeAdvantage(weight) (over the window's turns: GiGPO's step-level term)
   sampling  over the sampled batch only:
             NormalizeRewards(z_score), NormalizeRewardsByEnv(z_score), GroupRelativeAdvantage(by, scale)
             (A2C applies these to its GAE advantages instead: rewards.transform_values)
@@ -76,6 +77,27 @@ class PenaltyForInvalidMove:
     def sql(self, src: str) -> str:
         return (f"SELECT * REPLACE (reward + CASE WHEN coalesce(invalid_move, false) THEN {sql_num(self.penalty)} "
                 f"ELSE {sql_num(self.reward)} END AS reward) FROM {src}")
+
+
+@dataclass(frozen=True)
+class StateRelativeAdvantage:
+    """GiGPO's step-level advantage (Feng et al. 2025, arXiv 2505.10978, mean-only form):
+    r += weight * (r - mu_s), mu_s the mean r over the window's learner turns with the same prompt
+    (the same state, as the model saw it), for states seen in two or more turns; a state seen once
+    has no baseline and keeps r. With the game's reward at its end and no discount, a turn's r is
+    its game's return (plus the step shaping before it), so each move is credited against the
+    other moves made from its state: credit per decision without a learned critic (A2C's V).
+    Computed over every learner turn of the window, not the sampled batch, where a state would
+    rarely appear twice. List it last among the step transforms: it reads the shaped r."""
+    weight: float = 1.0
+    stage: ClassVar[str] = "step"
+
+    def sql(self, src: str) -> str:
+        # A state seen once is its own mean: its r stays as it was.
+        return f"""SELECT * EXCLUDE (_state) REPLACE (reward + {sql_num(self.weight)} * (reward - avg(reward)
+                                   OVER (PARTITION BY _state)) AS reward)
+  FROM (SELECT s.*, hash(t.prompt) AS _state FROM {src} s JOIN turns t
+        ON t.run = s.run AND t.round = s.round AND t.game_id = s.game_id AND t.turn = s.turn AND t.pid = s.pid)"""
 
 
 # ---------------------------------------------------------------- sampling: over the batch
@@ -156,7 +178,7 @@ class GroupRelativeAdvantage:
 
 
 BUILTINS = {c.__name__: c for c in (RoleAdvantageFormatter, RoleAdvantageByEnvFormatter, NoForfeitWins,
-                                    RewardForFormat, PenaltyForInvalidMove, NormalizeRewards, NormalizeRewardsByEnv,
+                                    RewardForFormat, PenaltyForInvalidMove, StateRelativeAdvantage, NormalizeRewards, NormalizeRewardsByEnv,
                                     GroupRelativeAdvantage)}
 
 
@@ -171,8 +193,8 @@ class RawSQL:
         return f"WITH {_STAGE_REL[self.stage]} AS (SELECT * FROM {src}) SELECT * FROM ({self.query})"
 
 
-Transform = Union[RoleAdvantageFormatter, NoForfeitWins, RewardForFormat, PenaltyForInvalidMove, NormalizeRewards,
-                  NormalizeRewardsByEnv, GroupRelativeAdvantage, RawSQL]
+Transform = Union[RoleAdvantageFormatter, NoForfeitWins, RewardForFormat, PenaltyForInvalidMove, StateRelativeAdvantage,
+                  NormalizeRewards, NormalizeRewardsByEnv, GroupRelativeAdvantage, RawSQL]
 
 _SQL_START = re.compile(r"^\s*(\(\s*)*(select|with|from|values)\b", re.IGNORECASE)
 
