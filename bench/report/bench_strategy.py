@@ -26,8 +26,8 @@ sampling entropy on the round's own training samples (learner_steps.entropy of t
 trained on them: what `learn.entropy_coef` holds up). The probes of report/strength.py (take-a-win,
 forced-block, first-free, bet-with-K, fold-with-J): the learner's rate per round
 (`learner_probes`), the same probes over its train decisions with its seat's game reward after
-making the probed move and after not (`train_probes`: what the update was fed), and `final.probes` over the verdict's rounds for the learner and each baseline
-agent, with Wilson intervals (a first-free rate near 1 is a fixed fill order, not strategy). Every league of the lake that ranked
+making the probed move and after not (`train_probes`: what the update was fed), and `final.probes`
+over the verdict's rounds for the learner and each baseline agent, with Wilson intervals (a first-free rate near 1 is a fixed fill order, not strategy). Every league of the lake that ranked
 the run's checkpoints (a self-play run's verdict) adds its Spearman correlation of iteration and
 rating and the last checkpoint's and base model's ratings with intervals. Nothing is typed by hand:
 run it again on the same lakes and the file is the same.

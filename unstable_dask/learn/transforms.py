@@ -97,7 +97,8 @@ class StateRelativeAdvantage:
         return f"""SELECT * EXCLUDE (_state) REPLACE (reward + {sql_num(self.weight)} * (reward - avg(reward)
                                    OVER (PARTITION BY _state)) AS reward)
   FROM (SELECT s.*, hash(t.prompt) AS _state FROM {src} s JOIN turns t
-        ON t.run = s.run AND t.round = s.round AND t.game_id = s.game_id AND t.turn = s.turn AND t.pid = s.pid)"""
+        ON t.run = s.run AND t.round = s.round AND t.game_id = s.game_id AND t.turn = s.turn AND t.pid = s.pid
+        WHERE t.split = 'train' AND t.is_learner AND t.round IN (SELECT DISTINCT round FROM {src}))"""
 
 
 # ---------------------------------------------------------------- sampling: over the batch
@@ -178,8 +179,8 @@ class GroupRelativeAdvantage:
 
 
 BUILTINS = {c.__name__: c for c in (RoleAdvantageFormatter, RoleAdvantageByEnvFormatter, NoForfeitWins,
-                                    RewardForFormat, PenaltyForInvalidMove, StateRelativeAdvantage, NormalizeRewards, NormalizeRewardsByEnv,
-                                    GroupRelativeAdvantage)}
+                                    RewardForFormat, PenaltyForInvalidMove, StateRelativeAdvantage, NormalizeRewards,
+                                    NormalizeRewardsByEnv, GroupRelativeAdvantage)}
 
 
 @dataclass(frozen=True)
