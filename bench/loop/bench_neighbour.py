@@ -10,9 +10,9 @@ TicTacToe-length prompts generated to `--tokens` tokens and (b) learner updates 
 like the learning job's; `neighbour` runs the same beside `python -c 'while True: pass'` pinned
 to core 1. Variants and conditions run in turn (A B A B) so machine load hits them alike.
 
-    python bench/loop/bench_neighbour.py [--repeats 2] [--prompts 6] [--tokens 24] [--rows 8]
+    python bench/loop/bench_neighbour.py [--repeats 2] [--prompts 6] [--tokens 24] [--rows 8] [--variants A,B] [--out neighbour]
 
-Writes bench/results/neighbour.json and prints markdown rows: each condition's seconds and its
+Writes bench/results/<out>.json (neighbour.json) and prints markdown rows: each condition's seconds and its
 slowdown beside the neighbour (neighbour / alone, same variant).
 """
 from __future__ import annotations
@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--out", default="neighbour", help="bench/results/<out>.json")
     args = ap.parse_args()
     names = args.variants.split(",")
     runs: dict[str, dict[str, list[dict]]] = {v: {"alone": [], "neighbour": []} for v in names}
@@ -119,7 +120,7 @@ def main() -> None:
         print(row(v, f"{m['alone']['generate']:.2f}", f"{m['neighbour']['generate']:.2f}",
                   f"{summary[v]['generate_slowdown']:.2f}x", f"{m['alone']['update']:.2f}",
                   f"{m['neighbour']['update']:.2f}", f"{summary[v]['update_slowdown']:.2f}x"))
-    path = save("neighbour", {"job": args.job, "variants": {v: VARIANTS[v] for v in names}, "runs": runs,
+    path = save(args.out, {"job": args.job, "variants": {v: VARIANTS[v] for v in names}, "runs": runs,
                               "summary": summary, "load_average_1m": os.getloadavg()[0]}, settings=vars(args))
     print(f"-> {path}")
 
