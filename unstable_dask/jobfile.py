@@ -184,7 +184,7 @@ def check_learn_sql(job: Job) -> None:
     from unstable_dask.learn.learner import build_query
     from unstable_dask.learn.plan import Plan
     from unstable_dask.learn.rewards import batch_query, run_batch_query
-    from unstable_dask.learn.transforms import STAGES, parse_transform
+    from unstable_dask.learn.transforms import STAGES, ExpertMove, parse_transform
 
     cfg, run_name = job.learn, job.run.name
     if algorithms.spec(cfg.algorithm).rows == "selected":
@@ -204,6 +204,11 @@ def check_learn_sql(job: Job) -> None:
                     parsed[stage].append(parse_transform(text, stage, con))
                 except JobError as e:
                     raise error(stage, i, e) from None
+        for i, t in enumerate(parsed["step"]):
+            wrong = [e.env_id for e in job.round.train_envs if isinstance(t, ExpertMove) and not solves(t.expert, e.env_id)]
+            if wrong:
+                raise error("step", i, JobError(f"{t.expert} has a solver for {' and '.join(SOLVES[t.expert])} only, "
+                                                f"and the job trains on {wrong[0]}"))
         try:  # the query the learner runs, algorithm-specific steps included
             run_batch_query(con, build_query(job, Plan(run_name, 1, "ckpt-1", "base", None, [0]), 0, con))
             if algorithms.spec(cfg.algorithm).sampling_on == "advantages":  # A2C: its sampling SQL reads the batch

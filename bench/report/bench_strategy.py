@@ -1,7 +1,9 @@
 """Strategy, not only legal moves: every run of a lake against the right baseline, read from the lake.
 
 For each run: `game` (the eval games' TextArena game), `seed`, `start` (`base`, or the SFT checkpoint
-RL continued from: the checkpoints the run began with whose algorithm is `sft`), `model`, `job` (its
+RL continued from: the checkpoints the run began with whose algorithm is `sft`), `taught_by` (the
+experts whose ExpertMove step transform scored the learner's moves: [] is RL from the game's reward
+alone), `model`, `job` (its
 whole validated job, from the lake's `rounds.job`), `wall_minutes`, and `final`: the learner's eval
 score (win rate, draws half) against `random` (else the first eval opponent) pooled over the run's
 last 3 rounds with eval games, with one Wilson 95% interval, `games`, `rounds`, and legal-random's
@@ -50,6 +52,7 @@ MEASURES = ["unstable_dask/report/", "unstable_dask/lake/", "unstable_dask/play/
 
 
 from unstable_dask.config import LEGAL_RANDOM_UID  # noqa: E402
+from unstable_dask.learn.transforms import ExpertMove, parse_transforms  # noqa: E402
 from unstable_dask.play.experts import game_of  # noqa: E402
 
 from common import RESULTS, row, save  # noqa: E402
@@ -155,6 +158,8 @@ def run_rows(con, run_name: str) -> dict:
         verdict["final"]["probes"] = strength.probe_rows(probes, verdict["final"]["rounds"])
     return {"run": run_name, "job": job, "seed": job["run"]["seed"], "game": "+".join(dict.fromkeys(map(game_of, games))),
             "eval_envs": games, "start": start(con, run_name),
+            "taught_by": [t.expert for t in parse_transforms(job["learn"].get("step_transforms", []), "step")
+                          if isinstance(t, ExpertMove)],
             "algorithm": job["learn"]["algorithm"], "model": job["model"]["base"],
             "opponents": job["round"]["opponents"]["strategy"],
             "wall_minutes": (end - meta[0]).total_seconds() / 60, "play_minutes": (play_s or 0) / 60,
@@ -236,7 +241,8 @@ def main() -> None:
         f = r.get("final")
         if f:
             lr = f["legal_random_ci"]
-            print(row(r["run"], r["seed"], r["start"], f"{r['wall_minutes']:.0f}",
+            taught = "".join(f", scored by {t}" for t in r.get("taught_by", []))
+            print(row(r["run"], r["seed"], r["start"] + taught, f"{r['wall_minutes']:.0f}",
                       f"{f['score']:.3f} [{f['score_ci'][0]:.3f}, {f['score_ci'][1]:.3f}]",
                       f"{f['legal_random_score']:.3f} [{lr[0]:.3f}, {lr[1]:.3f}]" if lr else "not played", f["games"]))
     print(row("run", "seed", "algorithm", "minutes: wall (playing + updating)", "round", "eval win rate [95% CI]", "legal-random [95% CI]",

@@ -34,3 +34,21 @@ def recount(board: str, action: str) -> dict[str, bool]:
     if mine:
         return out | {"take-a-win": cell in mine}
     return out | ({"forced-block": cell in theirs} if len(theirs) == 1 else {})
+
+
+def optimal_cells(board: str) -> set[int]:
+    """The cells whose move keeps the game's minimax value for the player to move (an independent
+    negamax over the 9-cell string, not play/experts.py's)."""
+    def mover(b: str) -> str:
+        return "O" if b.count("O") == b.count("X") else "X"
+
+    def won(b: str) -> bool:
+        return any(b[x] != "." and b[x] == b[y] == b[z] for x, y, z in LINES)
+
+    def score(b: str) -> int:  # for the player to move in b
+        if won(b):
+            return -1
+        moves = [c for c in range(9) if b[c] == "."]
+        return max(-score(b[:c] + mover(b) + b[c + 1:]) for c in moves) if moves else 0
+    after = {c: -score(board[:c] + mover(board) + board[c + 1:]) for c in range(9) if board[c] == "."}
+    return {c for c, v in after.items() if v == max(after.values())}

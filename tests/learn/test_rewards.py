@@ -14,6 +14,7 @@ from unstable_dask.lake import Lake
 from unstable_dask.learn.ema import RoleAdvantageByEnvFormatter, RoleAdvantageFormatter
 from unstable_dask.learn.rewards import batch_query, run_batch_query, window_rounds
 from unstable_dask.learn.transforms import (
+    ExpertMove,
     GroupRelativeAdvantage,
     NormalizeRewards,
     NormalizeRewardsByEnv,
@@ -22,9 +23,12 @@ from unstable_dask.learn.transforms import (
     StateRelativeAdvantage,
     parse_transform,
     parse_transforms,
+    register_functions,
 )
+from unstable_dask.play.envs import register_envs
 
 from helpers.lakes import RUN, make_lake
+from helpers.tictactoe import optimal_cells
 
 
 def ref_final(root, tau, by_env, upto):
@@ -241,10 +245,11 @@ def test_parser_builds_objects_without_eval():
     assert parse_transform("NormalizeRewardsByEnv(z_score=True)", "sampling") == NormalizeRewardsByEnv(True)
     assert parse_transform("RoleAdvantageFormatter", "final") == RoleAdvantageFormatter(0.001)
     assert parse_transform("StateRelativeAdvantage(0.5)", "step") == StateRelativeAdvantage(0.5)
+    assert parse_transform("ExpertMove('kuhn-best', 0.5)", "step") == ExpertMove("kuhn-best", 0.5, 0.0)
     for bad, stage in [("__import__('os').system('x')", "step"), ("RewardForFormat(1.5)", "final"),
                        ("RewardForFormat(x)", "step"), ("RoleAdvantageFormatter(tau=2)", "final"),
                        ("Nope()", "sampling"), ("RewardForFormat(", "step"),
-                       ("StateRelativeAdvantage()", "sampling")]:
+                       ("StateRelativeAdvantage()", "sampling"), ("ExpertMove('alphazero')", "step")]:
         with pytest.raises(JobError):
             parse_transform(bad, stage)
 
@@ -304,3 +309,54 @@ def test_a_group_whose_attempts_scored_alike_is_dropped_despite_rounding():
     assert all(a != 0.0 and abs(a) < 1e-8 for a in silent)  # rounding, not signal
     kept, m = drop_silent_groups(table)
     assert kept.column("group_id").to_pylist() == ["y"] * 3 and m == {"zero_std_group_frac": 0.5, "rows_dropped": 3}
+
+
+def _states(env_id: str, seed: int, moves: int):
+    """Real TextArena states: (observation of the player to move, board) along a random legal game,
+    up to `moves` decisions or the game's end."""
+    import random
+
+    import textarena as ta
+    register_envs()
+    env, rng, cells = ta.make(env_id), random.Random(seed), ["."] * 9
+    env.reset(num_players=2, seed=seed)
+    out = []
+    for i in range(moves):
+        out.append((env.get_observation()[1], "".join(cells)))
+        cell = rng.choice([c for c in range(9) if cells[c] == "."])
+        cells[cell] = "O" if i % 2 == 0 else "X"  # player 0 moves first and plays O
+        done, _ = env.step(f"[{cell}]")
+        if done:
+            break
+    return out
+
+
+def test_expert_move_scores_each_move_by_the_solver_s_best_moves_in_its_state():
+    """ExpertMove's SQL and Python function over real TicTacToe states: r += reward exactly for the
+    moves an independent negamax calls optimal (any spelling the env reads as that cell), else
+    r += penalty: other cells, an occupied cell, no move at all; rows keep their order and count."""
+    con = duckdb.connect()
+    con.execute("CREATE TABLE turns (run VARCHAR, round BIGINT, game_id VARCHAR, turn INT, pid INT, env_id VARCHAR, "
+                "observation VARCHAR, action VARCHAR)")
+    con.execute("CREATE TABLE steps_0 (run VARCHAR, round BIGINT, game_id VARCHAR, turn INT, pid INT, reward DOUBLE)")
+    want, turn = {}, 0
+    for seed in range(10):
+        for obs, board in _states("TicTacToe-v0-train", seed, 8):
+            best = optimal_cells(board)
+            assert 0 < len(best) < 9 or board == "." * 9  # the empty board: every cell draws
+            taken = next((c for c in range(9) if board[c] != "."), None)
+            actions = [f"[{c}]" for c in range(9) if board[c] == "."] + [f"I play [ {min(best)} ] now", "[", None]
+            actions += [f"[{taken}]"] if taken is not None else []
+            for action in actions:
+                turn += 1
+                m = None if action is None else __import__("re").search(r"\[\s*(\d+)\s*\]", action)
+                ok = m is not None and board[int(m.group(1))] == "." and int(m.group(1)) in best
+                con.execute("INSERT INTO turns VALUES ('r', 2, ?, ?, 0, 'TicTacToe-v0-train', ?, ?)", [f"g{seed}", turn, obs, action])
+                con.execute("INSERT INTO steps_0 VALUES ('r', 2, ?, ?, 0, 0.25)", [f"g{seed}", turn])
+                want[turn] = 0.25 + (1.5 if ok else -0.5)
+    register_functions(con)
+    register_functions(con)  # once per connection, however often asked
+    got = dict(con.sql(f"SELECT turn, reward FROM ({ExpertMove('minimax', 1.5, -0.5).sql('steps_0')})").fetchall())
+    bad = {k: (got[k], want[k]) for k in want if got.get(k) != want[k]}
+    assert not bad, list(bad.items())[:5]
+    assert 0.2 < sum(v > 1 for v in want.values()) / len(want) < 0.8  # both outcomes are well represented

@@ -62,6 +62,7 @@ def test_strategy_record_of_a_real_run(tmp_path, local_client):
     finally:
         con.close()
     assert (rec["game"], rec["seed"], rec["model"], rec["start"]) == ("TicTacToe", 7, "builtin:tiny", "ckpt-1")
+    assert rec["taught_by"] == []  # no ExpertMove: RL from the game's reward after the SFT start
     assert rec["job"]["round"]["eval_baseline"] == [LEGAL_RANDOM_UID, "minimax"] and rec["wall_minutes"] > 0
     f = rec["final"]
     assert f["rounds"] == [1, 2, 3] and f["games"] == 24 and f["legal_random_games"] == 24

@@ -27,7 +27,7 @@ import pyarrow as pa
 from unstable_dask.errors import JobError
 from unstable_dask.lake.read import check_select_only, sql_str
 from unstable_dask.learn.ema import RoleAdvantageFormatter, find_state, state_cte, stateful
-from unstable_dask.learn.transforms import Transform
+from unstable_dask.learn.transforms import Transform, register_functions
 
 STEP_COLUMNS = ("turn", "group_id", "model_uid", "format_ok", "invalid_move", "prompt_tokens", "completion_tokens",
                 "truncated")
@@ -198,6 +198,7 @@ def window_rounds(committed: Sequence[int], window: Union[str, int], trained: Op
 def run_batch_query(con: duckdb.DuckDBPyConnection, sql: str):
     """Run the composed query on a read-only lake connection; SQL mistakes become JobError."""
     check_select_only(con, sql, what="learner batch query")
+    register_functions(con)
     try:
         table = con.sql(sql).to_arrow_table()
     except duckdb.Error as e:

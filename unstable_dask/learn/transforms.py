@@ -6,7 +6,8 @@ The three UnstableBaselines pipelines, each a list of small objects that render 
             RoleAdvantageFormatter(tau), RoleAdvantageByEnvFormatter(tau), NoForfeitWins()
   step      once per turn, starting from the seat's transformed final reward:
             RewardForFormat(reward, penalty), PenaltyForInvalidMove(reward, penalty),
-            StateRelativeAdvantage(weight) (over the window's turns: GiGPO's step-level term)
+            StateRelativeAdvantage(weight) (over the window's turns: GiGPO's step-level term),
+            ExpertMove(expert, reward, penalty) (a solver scores each move: taught, not RL alone)
   sampling  over the sampled batch only:
             NormalizeRewards(z_score), NormalizeRewardsByEnv(z_score), GroupRelativeAdvantage(by, scale)
             (A2C applies these to its GAE advantages instead: rewards.transform_values)
@@ -27,6 +28,8 @@ import duckdb
 from unstable_dask.errors import JobError
 from unstable_dask.lake.read import check_select_only
 from unstable_dask.learn.ema import RoleAdvantageByEnvFormatter, RoleAdvantageFormatter, sql_num
+from unstable_dask.play.agents import expert_agrees
+from unstable_dask.play.experts import EXPERTS
 
 STAGES = ("final", "step", "sampling")
 _STAGE_REL = {"final": "final", "step": "steps", "sampling": "batch"}
@@ -99,6 +102,42 @@ class StateRelativeAdvantage:
   FROM (SELECT s.*, hash(t.prompt) AS _state FROM {src} s JOIN turns t
         ON t.run = s.run AND t.round = s.round AND t.game_id = s.game_id AND t.turn = s.turn AND t.pid = s.pid
         WHERE t.split = 'train' AND t.is_learner AND t.round IN (SELECT DISTINCT round FROM {src}))"""
+
+
+# The SQL name of play.agents.expert_agrees, registered on each connection a batch query runs on.
+EXPERT_AGREES = "expert_agrees"
+
+
+def register_functions(con: duckdb.DuckDBPyConnection) -> None:
+    """The Python functions the transforms' SQL calls, on `con` (once per connection)."""
+    known = con.execute("SELECT 1 FROM duckdb_functions() WHERE function_name = ?", [EXPERT_AGREES]).fetchall()
+    if not known:
+        con.create_function(EXPERT_AGREES, expert_agrees, ["VARCHAR"] * 4, "BOOLEAN")
+
+
+@dataclass(frozen=True)
+class ExpertMove:
+    """On-policy distillation from a solver: r += reward when the turn's move is one of the expert's
+    best moves in its state (play/experts.py: 'minimax' for TicTacToe, 'kuhn-best' for Kuhn Poker),
+    else r += penalty (an invalid move is not the expert's). The model plays its own games; the
+    expert only scores each move, so every decision is credited by its own state, which the game's
+    end reward does only through many games. A run using it is taught (like SFT, though the learner
+    never sees the expert's moves), not RL from the game's reward alone: say so with its results.
+    The job is checked at load: the expert has a solver for every train game."""
+    expert: str = "minimax"
+    reward: float = 1.0
+    penalty: float = 0.0
+    stage: ClassVar[str] = "step"
+
+    def __post_init__(self) -> None:
+        if self.expert not in EXPERTS:  # also keeps the name safe to quote into the SQL below
+            raise ValueError(f"expert must be one of {', '.join(EXPERTS)}, got {self.expert!r}")
+
+    def sql(self, src: str) -> str:
+        return f"""SELECT s.* REPLACE (s.reward + CASE WHEN {EXPERT_AGREES}('{self.expert}', t.env_id, t.observation, t.action)
+                                      THEN {sql_num(self.reward)} ELSE {sql_num(self.penalty)} END AS reward)
+  FROM {src} s JOIN turns t
+    ON t.run = s.run AND t.round = s.round AND t.game_id = s.game_id AND t.turn = s.turn AND t.pid = s.pid"""
 
 
 # ---------------------------------------------------------------- sampling: over the batch
@@ -179,8 +218,8 @@ class GroupRelativeAdvantage:
 
 
 BUILTINS = {c.__name__: c for c in (RoleAdvantageFormatter, RoleAdvantageByEnvFormatter, NoForfeitWins,
-                                    RewardForFormat, PenaltyForInvalidMove, StateRelativeAdvantage, NormalizeRewards,
-                                    NormalizeRewardsByEnv, GroupRelativeAdvantage)}
+                                    RewardForFormat, PenaltyForInvalidMove, StateRelativeAdvantage, ExpertMove,
+                                    NormalizeRewards, NormalizeRewardsByEnv, GroupRelativeAdvantage)}
 
 
 @dataclass(frozen=True)
@@ -195,7 +234,7 @@ class RawSQL:
 
 
 Transform = Union[RoleAdvantageFormatter, NoForfeitWins, RewardForFormat, PenaltyForInvalidMove, StateRelativeAdvantage,
-                  NormalizeRewards, NormalizeRewardsByEnv, GroupRelativeAdvantage, RawSQL]
+                  ExpertMove, NormalizeRewards, NormalizeRewardsByEnv, GroupRelativeAdvantage, RawSQL]
 
 _SQL_START = re.compile(r"^\s*(\(\s*)*(select|with|from|values)\b", re.IGNORECASE)
 

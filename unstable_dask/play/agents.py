@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 from unstable_dask.config import RANDOM_UID, expert_parts
 from unstable_dask.play.experts import EXPERTS
-from unstable_dask.play.prompts import BRACKETED_MOVE
+from unstable_dask.play.prompts import BRACKETED_MOVE, move_rule
 
 _LIST_LINE = re.compile(r"(available|valid|legal)\s+(moves|actions)[^\n]*", re.IGNORECASE)
 
@@ -58,6 +58,22 @@ def legal_moves(env_id: str, obs: str) -> list[str]:
 def random_move(env_id: str, obs: str, rng: random.Random) -> Optional[str]:
     moves = legal_moves(env_id, obs)
     return rng.choice(moves) if moves else None
+
+
+def _read_move(env_id: str, text: Optional[str]) -> Optional[str]:
+    """The move `env_id`'s step reads from `text` (its own rule, the first match), normalised."""
+    rule = move_rule(env_id)
+    m = rule.search(text or "")
+    return None if m is None else (m.group(1) if rule.groups else m.group(0)).strip().lower()
+
+
+def expert_agrees(expert: str, env_id: str, obs: str, action: Optional[str]) -> bool:
+    """Whether `action` makes one of `expert`'s best moves in the state `obs` shows. Both sides are
+    read by the env's own rule, so '[ 4 ]' and '[4]' are one TicTacToe move; no move is no agreement."""
+    move = _read_move(env_id, action)
+    if move is None:
+        return False
+    return any(_read_move(env_id, best) == move for best in EXPERTS[expert](obs, legal_moves(env_id, obs)))
 
 
 Agent = Callable[[str, str, random.Random], Optional[str]]  # (env_id, observation, the game's rng) -> move
