@@ -20,7 +20,8 @@ def boards(turns: list[dict]) -> list[tuple[str, int, str]]:
 
 
 def recount(board: str, action: str) -> dict[str, bool]:
-    """The probes of one decision: first-free, then take-a-win, else forced-block where the opponent has one threat."""
+    """The probes of one decision: first-free, optimal where some move gives value away, then
+    take-a-win, else forced-block where the opponent has one threat."""
     me = "O" if board.count("O") == board.count("X") else "X"
     other = "X" if me == "O" else "O"
 
@@ -31,6 +32,9 @@ def recount(board: str, action: str) -> dict[str, bool]:
     cell = int(m.group(1)) if m else None
     empty = [c for c in range(9) if board[c] == "."]
     out = {"first-free": cell == empty[0]} if len(empty) >= 2 else {}
+    best = optimal_cells(board)
+    if len(best) < len(empty):
+        out["optimal"] = cell in best
     if mine:
         return out | {"take-a-win": cell in mine}
     return out | ({"forced-block": cell in theirs} if len(theirs) == 1 else {})

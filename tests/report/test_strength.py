@@ -42,17 +42,26 @@ def test_probes_read_real_tictactoe_states():
     for move in ("[0]", "[3]", "[1]"):  # O takes 0 and 1: X (to move) must block 2 and has no win
         env.step(move)
     _, obs = env.get_observation()
-    # the lowest empty cell is 2 here: blocking is also the fill order's move
+    # the lowest empty cell is 2 here: blocking is also the fill order's move; X has lost whatever it
+    # plays (O answers with 4 and two threats), so no move gives value away and `optimal` is not probed
     assert strength.classify(TTT, obs, "I block: [2]") == {"forced-block": True, "first-free": True}
     assert strength.classify(TTT, obs, "[5]") == {"forced-block": False, "first-free": False}
     assert strength.classify(TTT, obs, "no move at all") == {"forced-block": False, "first-free": False}
     env.step("[4]")  # X blocks nothing; O can win at 2
     _, obs = env.get_observation()
-    assert strength.classify(TTT, obs, "[2]") == {"take-a-win": True, "first-free": True}
-    assert strength.classify(TTT, obs, "[8] then [2]") == {"take-a-win": False, "first-free": False}  # the env reads the first
+    # anything but 2 or 5 lets X win at 5: a move that gives value away exists, so `optimal` is probed
+    assert strength.classify(TTT, obs, "[2]") == {"take-a-win": True, "first-free": True, "optimal": True}
+    assert strength.classify(TTT, obs, "[8] then [2]") == {"take-a-win": False, "first-free": False,
+                                                          "optimal": False}  # the env reads the first
     first = _env(TTT, 0).get_observation()[1]
     assert strength.classify(TTT, first, "[4]") == {"first-free": False}  # nothing to win or block
-    assert strength.classify(TTT, first, "[0]") == {"first-free": True}
+    assert strength.classify(TTT, first, "[0]") == {"first-free": True}  # every first move draws: no `optimal`
+    env = _env(TTT, 0)
+    env.step("[4]")  # O in the centre: a corner draws, an edge loses
+    _, obs = env.get_observation()
+    assert strength.classify(TTT, obs, "[0]") == {"first-free": True, "optimal": True}
+    assert strength.classify(TTT, obs, "[8]") == {"first-free": False, "optimal": True}
+    assert strength.classify(TTT, obs, "[1]") == {"first-free": False, "optimal": False}
     env = _env(TTT, 0)
     for move in ("[0]", "[1]", "[3]", "[4]", "[2]", "[5]", "[7]", "[6]"):  # one empty cell left: no choice
         env.step(move)

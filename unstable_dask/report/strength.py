@@ -7,6 +7,10 @@ tell of a policy that does not look at the board:
 
   take-a-win    TicTacToe: the mover had a cell that completes its line, and took one
   forced-block  TicTacToe: no such cell, the opponent had exactly one, and the mover took it
+  optimal       TicTacToe, a decision where some move would give away game value under best play
+                (not the empty board, where every cell draws): the move kept it, one of minimax's
+                optimal moves (play/experts.py). The whole game in one rate: against the random agent
+                minimax scores 0.94, and a policy that gives value away less often loses less
   first-free    TicTacToe, any decision with two or more empty cells: it took the lowest-numbered
                 one. Not a strong move but a tell: a fixed fill order beats the random agent
                 (0.63, play/yardsticks.py) without looking at the board, and a learner near 1.0
@@ -15,8 +19,8 @@ tell of a policy that does not look at the board:
   fold-with-J   Kuhn Poker: holding the J facing a bet ([fold] legal), it folded
 
 Each turn row is a decision, invalid attempts included (an unreadable move took nothing); a state
-shown twice (a resubmission) counts twice. The minimax agent scores below 1 on both TicTacToe probes:
-it draws uniformly among moves of equal game value, so it may win later instead of now, and in a
+shown twice (a resubmission) counts twice. The minimax agent scores 1 on optimal (by definition)
+and below 1 on take-a-win and forced-block: it draws uniformly among moves of equal game value, so it may win later instead of now, and in a
 lost position it need not block. Under TextArena's Kuhn rules the best reply bets with the K and
 never folds (play/experts.py: kuhn-best scores 1 and 0).
 
@@ -35,13 +39,13 @@ import re
 from typing import Callable, Iterator, Optional
 
 from unstable_dask.play.agents import legal_moves
-from unstable_dask.play.experts import board_from_obs, game_of, to_move
+from unstable_dask.play.experts import board_from_obs, empty_cells, game_of, optimal_cells, to_move
 from unstable_dask.play.prompts import move_rule
 from unstable_dask.play.yardsticks import first_free, winning_cells
 
 Z95 = 1.959963984540054
 LEARNER = "learner"  # a pooled row of the eval games: each round's checkpoint in the learner's seats
-PROBES = ("take-a-win", "forced-block", "first-free", "bet-with-K", "fold-with-J")
+PROBES = ("take-a-win", "forced-block", "optimal", "first-free", "bet-with-K", "fold-with-J")
 
 # The seats under study, shared by the curves (report.CURVES_SQL) and the probes: the learner's, and
 # in a baseline game (round.eval_baseline) the agent's that sat where the eval twin's learner sat
@@ -81,6 +85,8 @@ def _tictactoe(env_id: str, obs: str, action: Optional[str]) -> dict[str, bool]:
     m = move_rule(env_id).search(action or "")  # the move the env read
     cell = int(m.group(1)) if m else None
     out = {"first-free": cell in first_free(board)} if board.count(".") >= 2 else {}
+    if len(optimal_cells(board)) < len(empty_cells(board)):
+        out["optimal"] = cell in optimal_cells(board)
     if wins:
         return out | {"take-a-win": cell in wins}
     if len(threats) == 1:
