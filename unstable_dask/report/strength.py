@@ -20,8 +20,8 @@ tell of a policy that does not look at the board:
 
 Each turn row is a decision, invalid attempts included (an unreadable move took nothing); a state
 shown twice (a resubmission) counts twice. The minimax agent scores 1 on optimal (by definition)
-and below 1 on take-a-win and forced-block: it draws uniformly among moves of equal game value, so it may win later instead of now, and in a
-lost position it need not block. Under TextArena's Kuhn rules the best reply bets with the K and
+and below 1 on take-a-win and forced-block: it draws uniformly among moves of equal game value, so
+it may win later instead of now, and in a lost position it need not block. Under TextArena's Kuhn rules the best reply bets with the K and
 never folds (play/experts.py: kuhn-best scores 1 and 0).
 
 The same probes over the learner's train decisions, with its seat's game reward after making the
