@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
 
@@ -49,6 +50,7 @@ def optimal_cells(board: str) -> set[int]:
     def won(b: str) -> bool:
         return any(b[x] != "." and b[x] == b[y] == b[z] for x, y, z in LINES)
 
+    @lru_cache(maxsize=None)
     def score(b: str) -> int:  # for the player to move in b
         if won(b):
             return -1

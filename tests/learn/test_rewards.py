@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 
 import duckdb
@@ -349,7 +350,7 @@ def test_expert_move_scores_each_move_by_the_solver_s_best_moves_in_its_state():
             actions += [f"[{taken}]"] if taken is not None else []
             for action in actions:
                 turn += 1
-                m = None if action is None else __import__("re").search(r"\[\s*(\d+)\s*\]", action)
+                m = None if action is None else re.search(r"\[\s*(\d+)\s*\]", action)
                 ok = m is not None and board[int(m.group(1))] == "." and int(m.group(1)) in best
                 con.execute("INSERT INTO turns VALUES ('r', 2, ?, ?, 0, 'TicTacToe-v0-train', ?, ?)", [f"g{seed}", turn, obs, action])
                 con.execute("INSERT INTO steps_0 VALUES ('r', 2, ?, ?, 0, 0.25)", [f"g{seed}", turn])

@@ -85,8 +85,9 @@ def _tictactoe(env_id: str, obs: str, action: Optional[str]) -> dict[str, bool]:
     m = move_rule(env_id).search(action or "")  # the move the env read
     cell = int(m.group(1)) if m else None
     out = {"first-free": cell in first_free(board)} if board.count(".") >= 2 else {}
-    if len(optimal_cells(board)) < len(empty_cells(board)):
-        out["optimal"] = cell in optimal_cells(board)
+    best = optimal_cells(board)
+    if len(best) < len(empty_cells(board)):
+        out["optimal"] = cell in best
     if wins:
         return out | {"take-a-win": cell in wins}
     if len(threats) == 1:
