@@ -26,7 +26,7 @@ legal, how many bet and the game's reward after a bet and after a check (what th
 trained on: did the move it grew pay, and was the better one sampled at all?); and the policy's
 sampling entropy on the round's own training samples (learner_steps.entropy of the updates that
 trained on them: what `learn.entropy_coef` holds up). The probes of report/strength.py (take-a-win,
-forced-block, first-free, bet-with-K, fold-with-J): the learner's rate per round
+forced-block, optimal, first-free, bet-with-K, bet-with-J-or-Q, fold-with-J): the learner's rate per round
 (`learner_probes`), the same probes over its train decisions with its seat's game reward after
 making the probed move and after not (`train_probes`: what the update was fed), and `final.probes`
 over the verdict's rounds for the learner and each baseline agent, with Wilson intervals (a first-free rate near 1 is a fixed fill order, not strategy). Every league of the lake that ranked

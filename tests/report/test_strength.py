@@ -75,20 +75,21 @@ def test_probes_read_real_kuhn_states():
         env = _env(env_id, seed)
         _, obs = env.get_observation()  # player 1 opens the first hand
         card = obs.rsplit("Your card is: '", 1)[1][0]
-        if card == "K":
-            assert strength.classify(env_id, obs, "[bet]") == {"bet-with-K": True}
-            assert strength.classify(env_id, obs, "[check]") == {"bet-with-K": False}
-            seen.add("K")
+        probe = "bet-with-K" if card == "K" else "bet-with-J-or-Q"  # where a bet pays, not only the K
+        assert strength.classify(env_id, obs, "[bet]") == {probe: True}
+        assert strength.classify(env_id, obs, "[check]") == {probe: False}
+        assert strength.classify(env_id, obs, "[fold]") == {probe: False}  # illegal here: not a bet
+        seen.add(card)
         env.step("[bet]")
         _, obs = env.get_observation()  # player 0 faces the bet
         card = obs.rsplit("Your card is: '", 1)[1][0]
         if card == "J":
             assert strength.classify(env_id, obs, "[Fold]") == {"fold-with-J": True}
             assert strength.classify(env_id, obs, "[call]") == {"fold-with-J": False}
-            seen.add("J")
+            seen.add("J facing a bet")
         elif card == "Q":
             assert strength.classify(env_id, obs, "[fold]") == {}
-    assert seen == {"K", "J"}
+    assert seen == {"K", "Q", "J", "J facing a bet"}
 
 
 def test_train_probes_pair_each_decision_with_its_seat_s_reward():

@@ -15,14 +15,19 @@ tell of a policy that does not look at the board:
                 one. Not a strong move but a tell: a fixed fill order beats the random agent
                 (0.63, play/yardsticks.py) without looking at the board, and a learner near 1.0
                 here has learned that order, not the game
-  bet-with-K    Kuhn Poker: holding the K with [bet] legal, it bet
+  bet-with-K    Kuhn Poker: holding the K with [bet] legal, it bet. A tell of kuhn-best more than a
+                measure: with the K a check wins every hand as surely as a bet
+  bet-with-J-or-Q  Kuhn Poker: holding the J or Q with [bet] legal, it bet. Where a bet pays under
+                TextArena's rules (the pot stays at the antes): against the random agent it wins
+                1/2 of the J's hands against a check's 0, 3/4 of the Q's against 1/2
   fold-with-J   Kuhn Poker: holding the J facing a bet ([fold] legal), it folded
 
 Each turn row is a decision, invalid attempts included (an unreadable move took nothing); a state
 shown twice (a resubmission) counts twice. The minimax agent scores 1 on optimal (by definition)
 and below 1 on take-a-win and forced-block: it draws uniformly among moves of equal game value, so
-it may win later instead of now, and in a lost position it need not block. Under TextArena's Kuhn rules the best reply bets with the K and
-never folds (play/experts.py: kuhn-best scores 1 and 0).
+it may win later instead of now, and in a lost position it need not block. Under TextArena's Kuhn
+rules the best reply bets whenever it may and never folds (play/experts.py: kuhn-best scores 1, 1
+and 0).
 
 The same probes over the learner's train decisions, with its seat's game reward after making the
 probed move and after not (train_probe_rewards), show what the updates were fed: whether the move
@@ -45,7 +50,7 @@ from unstable_dask.play.yardsticks import first_free, winning_cells
 
 Z95 = 1.959963984540054
 LEARNER = "learner"  # a pooled row of the eval games: each round's checkpoint in the learner's seats
-PROBES = ("take-a-win", "forced-block", "optimal", "first-free", "bet-with-K", "fold-with-J")
+PROBES = ("take-a-win", "forced-block", "optimal", "first-free", "bet-with-K", "bet-with-J-or-Q", "fold-with-J")
 
 # The seats under study, shared by the curves (report.CURVES_SQL) and the probes: the learner's, and
 # in a baseline game (round.eval_baseline) the agent's that sat where the eval twin's learner sat
@@ -101,8 +106,8 @@ def _kuhn(env_id: str, obs: str, action: Optional[str]) -> dict[str, bool]:
         return {}
     legal, m = legal_moves(env_id, obs), move_rule(env_id).search(action or "")
     move = m.group(1).lower() if m else None
-    if cards[-1] == "K" and "[bet]" in legal:
-        return {"bet-with-K": move == "bet"}
+    if "[bet]" in legal:
+        return {"bet-with-K" if cards[-1] == "K" else "bet-with-J-or-Q": move == "bet"}
     if cards[-1] == "J" and "[fold]" in legal:
         return {"fold-with-J": move == "fold"}
     return {}
