@@ -169,7 +169,7 @@ def strength_view(curves: list[dict], probes: dict, k: int) -> dict[str, Any]:
                 {n: [(r, p["rate"]) for r, p in pts] for n, pts in series.items()}, "round", "rate", y_range=(0, 1),
                 bands={n: [(r, p["low"], p["high"]) for r, p in pts] for n, pts in series.items()})
     return {"span": strength.span(window) if window else None, "pooled": strength.pooled(curves, window) if window else [],
-            "probes": strength.probe_rows(probes, window), "charts": charts_}
+            "probes": strength.probe_rows(probes, window), "charts": charts_, "probe_text": strength.PROBE_TEXT}
 
 
 def _newest(rows: list[dict]) -> list[dict]:

@@ -50,7 +50,17 @@ from unstable_dask.play.yardsticks import first_free, winning_cells
 
 Z95 = 1.959963984540054
 LEARNER = "learner"  # a pooled row of the eval games: each round's checkpoint in the learner's seats
-PROBES = ("take-a-win", "forced-block", "optimal", "first-free", "bet-with-K", "bet-with-J-or-Q", "fold-with-J")
+# Each probe's decision and move in one line (the report's caption; the module docstring says why)
+PROBE_TEXT = {
+    "take-a-win": "a winning cell existed and it took one",
+    "forced-block": "no win of its own, the opponent had one winning cell, and it took it",
+    "optimal": "some move would give away game value, and it kept the value (one of minimax's moves)",
+    "first-free": "with two or more empty cells it took the lowest-numbered, a fill order that beats random without strategy",
+    "bet-with-K": "holding the K with [bet] legal, it bet",
+    "bet-with-J-or-Q": "holding the J or Q with [bet] legal, it bet, where a bet pays",
+    "fold-with-J": "holding the J facing a bet, it folded",
+}
+PROBES = tuple(PROBE_TEXT)
 
 # The seats under study, shared by the curves (report.CURVES_SQL) and the probes: the learner's, and
 # in a baseline game (round.eval_baseline) the agent's that sat where the eval twin's learner sat
