@@ -8,7 +8,8 @@ whole validated job, from the lake's `rounds.job`), `wall_minutes`, and `final`:
 score (win rate, draws half) against `random` (else the first eval opponent) pooled over the run's
 last 3 rounds with eval games, with one Wilson 95% interval, `games`, `rounds`, and legal-random's
 on the same rounds' replays of the same games (`legal_random_score`, `legal_random_ci`), every other
-round.eval_baseline agent's, and the draw rate against minimax where minimax is an opponent or a
+round.eval_baseline agent's (`baselines`), each with the paired `gap` (the learner's score minus the
+agent's, game by game on the same games, with its 95% interval; `legal_random_gap`), and the draw rate against minimax where minimax is an opponent or a
 baseline agent (`final_by_opponent`: the same per eval opponent). Then: its wall minutes from the first
 round's start to the last commit (pauses of a resumed run included), the minutes its rounds took and
 its learner's optimizer updates took (no pauses, no engine or learner start-up); per round: the minutes
@@ -45,6 +46,7 @@ import itertools
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: its package, bench/common.py, tests/helpers
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
@@ -153,7 +155,7 @@ def run_rows(con, run_name: str) -> dict:
                                        "kuhn_train_reward_after_check"), kuhn[k]))
     games = [g for (g,) in con.sql("SELECT DISTINCT env_id FROM games WHERE run = ? AND split = 'eval' ORDER BY 1",
                                    params=[run_name]).fetchall()]
-    verdict = final(rows)
+    verdict = final(rows, lambda window: strength.paired_gaps(con, run_name, window))
     if verdict["final"]:  # the probes over the verdict's rounds: learner and baseline agents
         verdict["final"]["probes"] = strength.probe_rows(probes, verdict["final"]["rounds"])
     return {"run": run_name, "job": job, "seed": job["run"]["seed"], "game": "+".join(dict.fromkeys(map(game_of, games))),
@@ -174,15 +176,18 @@ def start(con, run_name: str) -> str:
     return sft[-1] if sft else "base"
 
 
-def final(rows: list[dict], k: int = FINAL_ROUNDS) -> dict:
+def final(rows: list[dict], gaps: Callable[[list[int]], dict] = lambda window: {}, k: int = FINAL_ROUNDS) -> dict:
     """The run's verdict: per eval opponent, the learner's score (win rate, draws half) pooled over the
     last k rounds with eval games, one Wilson 95% interval, beside each round.eval_baseline agent's on
     the same rounds' replays of the same games (legal-random: `legal_random_*`); `final` is the one
     against `random` (else the first opponent), `final_by_opponent` all of them. Against minimax (an
-    opponent or a baseline agent) the draw rate is what a perfect player maxes (1.0)."""
+    opponent or a baseline agent) the draw rate is what a perfect player maxes (1.0). `gaps(window)`
+    (strength.paired_gaps) gives each agent's `gap`: the learner's score minus the agent's game by
+    game on those games, with its 95% interval (`legal_random_gap` for legal-random)."""
     from unstable_dask.report import strength
     window = strength.pool_window(rows, max((r["round"] for r in rows), default=-1), k)
     pooled = strength.pooled(rows, window)
+    paired = gaps(window)
     out = {}
     for ev in (p for p in pooled if p["split"] == "eval" and p["opponent"] not in ("self", "solo")):
         base = {b["player"]: b for b in pooled if b["split"] == "baseline" and b["opponent"] == ev["opponent"]}
@@ -193,7 +198,9 @@ def final(rows: list[dict], k: int = FINAL_ROUNDS) -> dict:
                "legal_random_games": lr and lr["games"],
                "above_legal_random": bool(lr and ev["low"] > lr["high"]),
                "baselines": {a: {"score": b["score"], "ci": [b["low"], b["high"]], "games": b["games"],
-                                 "draw_rate": b["draw_rate"]} for a, b in base.items()}}
+                                 "draw_rate": b["draw_rate"], "gap": _gap(paired.get((ev["opponent"], a)))}
+                             for a, b in base.items()}}
+        rec["legal_random_gap"] = rec["baselines"].get(LEGAL_RANDOM_UID, {}).get("gap")
         minimax = [b for a, b in base.items() if a.startswith("minimax")]
         if ev["opponent"].startswith("minimax"):
             rec["minimax_draw_rate"] = ev["draw_rate"]  # the learner's draws against minimax
@@ -202,6 +209,10 @@ def final(rows: list[dict], k: int = FINAL_ROUNDS) -> dict:
         out[ev["opponent"]] = rec
     main = out.get("random") or next(iter(out.values()), None)
     return {"final": main, "final_by_opponent": out}
+
+
+def _gap(g: dict | None) -> dict | None:
+    return g and {"gap": g["gap"], "ci": [g["low"], g["high"]], "pairs": g["pairs"]}
 
 
 def merge_runs(old: list[dict], new: list[dict]) -> list[dict]:

@@ -211,7 +211,9 @@ def _agent_task(env_id: str, expert: str, n: int) -> TaskSpec:
 
 
 def _measured(tmp_path, env_id: str, expert: str, n: int) -> tuple[float, float]:
-    """The expert's score (win + draw/2, from the games table's rewards) and its 99% half-width."""
+    """The expert's score (win + draw/2, from the games table's rewards) and its 99.9% half-width (a
+    test that fails 1 time in 1000 when the agents' draws change; 2400 games keep it at +-0.03, inside
+    the 0.055 bias it caught when the random agent repeated the dealer's stream)."""
     job = load_job("jobs/demo.toml", {"run.lake": str(tmp_path / "lake")})
     play_task(_agent_task(env_id, expert, n), job.model, job.round, Lake(str(tmp_path / "lake")))
     rows = pq.read_table(tmp_path / "lake" / "games").to_pylist()
@@ -222,7 +224,7 @@ def _measured(tmp_path, env_id: str, expert: str, n: int) -> tuple[float, float]
         theirs = next(s["reward"] for s in g["seats"] if s["model_uid"] != expert)
         score += 1.0 if mine > theirs else 0.5 if mine == theirs else 0.0
     p = score / n
-    return p, 2.576 * math.sqrt(p * (1 - p) / n)
+    return p, 3.291 * math.sqrt(p * (1 - p) / n)
 
 
 @pytest.mark.parametrize("env_id,expert,exact", [
@@ -231,7 +233,7 @@ def _measured(tmp_path, env_id: str, expert: str, n: int) -> tuple[float, float]
     ("TicTacToe-v0-train", "minimax", ys.tictactoe_score(ys.minimax)),
 ])
 def test_an_expert_scores_its_enumerated_value_in_real_games(tmp_path, env_id, expert, exact):
-    p, half = _measured(tmp_path, env_id, expert, 600)
+    p, half = _measured(tmp_path, env_id, expert, 2400)
     assert abs(p - float(exact)) <= half, (p, half, float(exact))
 
 

@@ -339,3 +339,35 @@ def test_the_random_agents_draw_anew_for_another_run_seed(tmp_path):
     first, again, other = moves(0, "a"), moves(0, "b"), moves(1, "c")
     assert first == again
     assert [a for _, a in first] != [a for _, a in other]
+
+
+def test_baseline_twins_draw_their_eval_games_numbers_seat_by_seat(tmp_path):
+    """Each eval game's replays (round.eval_baseline) deal the same cards and give the opponents the
+    eval game's random numbers, one stream per seat: while the agents in the learner's seat have
+    moved alike, the random opponent moves alike, whatever the learner's seat drew. The scores of
+    the learner and of each yardstick are then a paired comparison, not two samples."""
+    import re
+    kuhn = {"env_id": "KuhnPoker-v0-single-train", "num_players": 2, "num_actors": 1, "opponents": ["random"]}
+    job = _job(tmp_path, **{"round.eval_envs": [kuhn], "round.eval_baseline": ["legal-random", "kuhn-best@0.5"],
+                            "round.eval_games": 48, "round.train_games": 0})
+    lake = Lake(job.run.lake)
+    cks = list_checkpoints(lake, "demo")
+    games = tuple(g for t in schedule_round(job, lake, 0, cks[-1], cks) for g in t.games if g.split == "baseline")
+    play_task(TaskSpec("task-0000", "demo", 0, games), job.model, job.round, lake)
+    turns = pq.read_table(Path(job.run.lake) / "turns").sort_by([("game_id", "ascending"), ("turn", "ascending")])
+    plays: dict[str, dict[str, list]] = {}
+    for gid, uid, action in zip(*(turns.column(c).to_pylist() for c in ("game_id", "model_uid", "action"))):
+        plays.setdefault(re.sub(r"-baseline-(kuhn-best@0.5-)?", "#", gid), {}).setdefault(gid, []).append((uid, action))
+    agreed = after_a_draw = 0
+    for twins in plays.values():
+        a, b = twins.values()
+        for (ua, xa), (ub, xb) in zip(a, b):
+            if "random" in (ua, ub) and ua == ub:  # the opponent's move, the histories equal so far
+                assert xa == xb, twins
+                agreed += 1
+                after_a_draw += any(u == "legal-random" for u, _ in a[:a.index((ua, xa))])
+            if xa != xb:
+                break
+    # an opening move agrees trivially; one after the learner's seat drew (kuhn-best@0.5 draws once or
+    # twice a move, legal-random once) shows that each seat draws from its own stream
+    assert agreed >= 24 and after_a_draw >= 3

@@ -74,6 +74,22 @@ def test_strategy_record_of_a_real_run(tmp_path, local_client):
     assert f["legal_random_ci"][0] <= lr <= f["legal_random_ci"][1]
     mm, n = _scores(lake, "baseline", [1, 2, 3], "s.model_uid = 'minimax'")
     assert f["baselines"]["minimax"]["score"] == pytest.approx(mm) and f["baselines"]["minimax"]["games"] == 24
+    # the paired gap: the learner's score minus the agent's on the same eval game, recounted pair by pair
+    for agent in (LEGAL_RANDOM_UID, "minimax"):
+        pairs = lake.sql(f"""SELECT e.reward AS er, eo.reward AS eo, b.reward AS br, bo.reward AS bo
+            FROM seats e JOIN seats eo ON eo.game_id = e.game_id AND eo.pid <> e.pid
+            JOIN seats b ON b.round = e.round AND b.seed = e.seed AND b.pid = e.pid AND b.split = 'baseline'
+                AND b.model_uid = '{agent}'
+            JOIN seats bo ON bo.game_id = b.game_id AND bo.pid <> b.pid
+            WHERE e.split = 'eval' AND e.is_learner AND e.round >= 1""").to_pylist()
+        d = [(1.0 if p["er"] > p["eo"] else 0.5 if p["er"] == p["eo"] else 0.0)
+             - (1.0 if p["br"] > p["bo"] else 0.5 if p["br"] == p["bo"] else 0.0) for p in pairs]
+        mean = sum(d) / len(d)
+        half = 1.959963984540054 * (sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
+        gap = f["baselines"][agent]["gap"]
+        assert gap["pairs"] == len(d) == 24 and gap["gap"] == pytest.approx(mean)
+        assert gap["ci"] == pytest.approx([mean - half, mean + half])
+    assert f["legal_random_gap"] == f["baselines"][LEGAL_RANDOM_UID]["gap"]
     draws = lake.sql("""SELECT avg((s.reward = o.reward)::DOUBLE) AS d FROM seats s JOIN seats o ON o.game_id = s.game_id
                         AND o.pid <> s.pid WHERE s.split = 'baseline' AND s.model_uid = 'minimax' AND s.round >= 1""").to_pylist()
     assert f["minimax_draw_rate"] == pytest.approx(draws[0]["d"])

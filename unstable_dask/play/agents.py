@@ -76,14 +76,14 @@ def expert_agrees(expert: str, env_id: str, obs: str, action: Optional[str]) -> 
     return any(_read_move(env_id, best) == move for best in EXPERTS[expert](obs, legal_moves(env_id, obs)))
 
 
-Agent = Callable[[str, str, random.Random], Optional[str]]  # (env_id, observation, the game's rng) -> move
+Agent = Callable[[str, str, random.Random], Optional[str]]  # (env_id, observation, the seat's rng) -> move
 
 
 @lru_cache(maxsize=None)
 def agent(name: str) -> Agent:
     """The move function of an agent a seat is played by (opponents.py: Seat.plays == "agent",
     Seat.source = the name): 'random', an expert of experts.py, or its epsilon form '<expert>@<eps>'.
-    Every draw comes from the rng passed in (one per game), never from the global `random`."""
+    Every draw comes from the rng passed in (one per seat of a game), never from the global `random`."""
     if name == RANDOM_UID:
         return random_move
     parts = expert_parts(name)

@@ -32,6 +32,12 @@ class GameSpec:
     group_id: str  # <run>-r<round>-<split>-g<index>: games of one start state (eval: one game each)
     template: str
     seats: tuple[Seat, ...]
+    draws: str = ""  # the game whose agents' random draws this one repeats ("": its own id; a baseline twin: its eval game)
+
+    @property
+    def draws_id(self) -> str:
+        """The id the agents' random draws derive from (with the seed and the seat)."""
+        return self.draws or self.game_id
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,9 @@ def schedule_games(job: Job, lake: Lake, round_: int, current: Checkpoint,
 
 def baseline_twin(game: GameSpec, agent: str = LEGAL_RANDOM_UID) -> GameSpec:
     """The eval game replayed with `agent` (round.eval_baseline) in the learner's seats: same env,
-    seed and opponents, so the learner's eval score and the agent's differ only by who moved. The
+    seed and opponents, and the opponents draw the eval game's random numbers (`draws`), so while
+    the agent moves as the learner did the opponents move as they did: the learner's eval score and
+    the agent's differ only by who moved (common random numbers, a paired comparison). The
     agent's seats keep is_learner false; the report finds them as the eval twin's learner pids (same
     run, round and seed). legal-random's ids keep their first form (`-baseline-`), so a round
     scheduled again names the same games; another agent's carry its name (`-baseline-minimax-`)."""
@@ -125,7 +133,7 @@ def baseline_twin(game: GameSpec, agent: str = LEGAL_RANDOM_UID) -> GameSpec:
     seats = tuple(player.seat(s.pid) if s.is_learner else s for s in game.seats)
     tag = "-baseline-" if agent == LEGAL_RANDOM_UID else f"-baseline-{agent}-"
     return dataclasses.replace(game, game_id=game.game_id.replace("-eval-", tag), split="baseline",
-                               group_id=game.group_id.replace("-eval-", tag), seats=seats)
+                               group_id=game.group_id.replace("-eval-", tag), seats=seats, draws=game.draws_id)
 
 
 def schedule_round(job: Job, lake: Lake, round_: int, current: Checkpoint,

@@ -61,7 +61,7 @@ class _Game:
     spec: GameSpec
     env: Any
     rng_state: Any  # this game's own `random` state: TextArena envs use the process-global one
-    agent_rng: random.Random
+    agent_rngs: list[random.Random]  # one stream per seat: an agent's draws do not shift another's
     started_at: Any
     turns: list[dict] = field(default_factory=list)
 
@@ -86,10 +86,13 @@ def _start(spec: GameSpec, cfg: RoundConfig) -> _Game:
     finally:
         random.setstate(outer)
     _state(env).error_allowance = cfg.error_allowance
-    # The random agent draws per game and run seed: in a group it is an opponent that samples
+    # Agents draw per game, run seed and seat: in a group the random agent is an opponent that samples
     # independently, like a model opponent, while the env's start state is the group's; the game id
-    # alone repeats across run seeds (it holds the run name, not the seed), and so did every draw.
-    return _Game(spec, env, rng_state, random.Random(f"{spec.game_id}/{spec.seed}"), now())
+    # alone repeats across run seeds (it holds the run name, not the seed), and so did every draw. A
+    # baseline twin draws its eval game's numbers, seat by seat: one stream for all seats let
+    # legal-random's own draws in the learner's seat shift the opponent's.
+    rngs = [random.Random(f"{spec.draws_id}/{spec.seed}/{pid}") for pid in range(len(spec.seats))]
+    return _Game(spec, env, rng_state, rngs, now())
 
 
 def _seat_row(seat, reward, info) -> dict:
@@ -160,7 +163,7 @@ class _Task:
     def agent_move(g: _Game, pid: int, obs: str, row: dict) -> str:
         row.update(prompt=None, completion=None, format_ok=None, prompt_tokens=0, completion_tokens=0,
                    completion_token_ids=None, truncated=False, logprobs=None, latency_s=0.0)
-        return agent(g.spec.seats[pid].source or "")(g.spec.env_id, obs, g.agent_rng) or "[pass]"
+        return agent(g.spec.seats[pid].source or "")(g.spec.env_id, obs, g.agent_rngs[pid]) or "[pass]"
 
     def prompt(self, g: _Game, pid: int, obs: str) -> str:
         seat = g.spec.seats[pid]

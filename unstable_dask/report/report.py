@@ -53,18 +53,7 @@ def _wilson_bounds(p: str) -> str:
 # turn-level interval is narrower than the truth. mu/sigma: the checkpoint's overall TrueSkill
 # after the round (`run rate`).
 CURVES_SQL = """
-WITH """ + strength.SUBJECT_CTES + """,
-games_ AS (
-    SELECT run, round, game_id, avg(num_turns) AS num_turns, max(reward) AS best, min(reward) AS worst,
-           any_value(model_uid) FILTER (WHERE subject) AS player,
-           CASE WHEN count(*) = 1 THEN 'solo' ELSE coalesce(string_agg(DISTINCT model_uid, '+' ORDER BY model_uid)
-               FILTER (WHERE NOT subject), 'self') END AS opponent
-    FROM subject_ GROUP BY run, round, game_id),
-seats_ AS (  -- a single-player game is won with a reward > 0 (as `run rate` counts it)
-    SELECT s.run, s.round, s.split, g.player, g.opponent, s.game_id, g.num_turns, s.reward,
-           CASE WHEN s.num_players = 1 THEN s.reward > 0 ELSE s.reward = g.best AND g.best > g.worst END::INT AS win,
-           CASE WHEN s.num_players = 1 THEN s.reward = 0 ELSE g.best = g.worst END::INT AS draw
-    FROM subject_ s JOIN games_ g USING (run, round, game_id) WHERE s.subject),
+WITH """ + strength.SCORED_CTES + """,
 turns_ AS (
     SELECT t.run, t.round, t.split, g.player, g.opponent, t.format_ok, t.invalid_move, t.completion_tokens
     FROM turns t JOIN games_ g USING (run, round, game_id) WHERE t.is_learner AND t.prompt IS NOT NULL),

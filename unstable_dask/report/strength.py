@@ -35,7 +35,8 @@ paid in those games, and whether it was sampled at all.
 
 Pooled figures add up the eval rows of round_curves (report.py) over the latest round.pool_rounds
 rounds: one Wilson 95% interval over all their seats, for the learner and for each baseline agent
-on the same rounds' replays of the same games.
+on the same rounds' replays of the same games; paired_gaps gives the learner's score minus each
+agent's game by game, with one interval for the difference.
 """
 from __future__ import annotations
 
@@ -70,6 +71,33 @@ SUBJECT_CTES = """eval_learners AS (  -- round.eval_baseline: an agent replays e
 subject_ AS (  -- the seats under study: the learner's, and in baseline games the agent's in its place
     SELECT s.*, s.is_learner OR e.pid IS NOT NULL AS subject FROM seats s LEFT JOIN eval_learners e
         ON s.split = 'baseline' AND e.run = s.run AND e.round = s.round AND e.seed = s.seed AND e.pid = s.pid)"""
+
+# Each subject seat scored as the curves count it (a draw half): SUBJECT_CTES, then per game its
+# subject (`player`) and the other seats (`opponent`), then per subject seat `win` and `draw`.
+SCORED_CTES = SUBJECT_CTES + """,
+games_ AS (
+    SELECT run, round, game_id, avg(num_turns) AS num_turns, max(reward) AS best, min(reward) AS worst,
+           any_value(model_uid) FILTER (WHERE subject) AS player,
+           CASE WHEN count(*) = 1 THEN 'solo' ELSE coalesce(string_agg(DISTINCT model_uid, '+' ORDER BY model_uid)
+               FILTER (WHERE NOT subject), 'self') END AS opponent
+    FROM subject_ GROUP BY run, round, game_id),
+seats_ AS (  -- a single-player game is won with a reward > 0 (as `run rate` counts it)
+    SELECT s.run, s.round, s.split, s.seed, s.pid, g.player, g.opponent, s.game_id, g.num_turns, s.reward,
+           CASE WHEN s.num_players = 1 THEN s.reward > 0 ELSE s.reward = g.best AND g.best > g.worst END::INT AS win,
+           CASE WHEN s.num_players = 1 THEN s.reward = 0 ELSE g.best = g.worst END::INT AS draw
+    FROM subject_ s JOIN games_ g USING (run, round, game_id) WHERE s.subject)"""
+
+# Per round, eval opponent and baseline agent: the learner's seat score minus the agent's in the same
+# seat of the eval game's replay (a draw half), summed and squared-summed (a paired comparison: the
+# same deal, and the opponents draw the same numbers while the two have moved alike).
+PAIRED_SQL = "WITH " + SCORED_CTES + """
+SELECT e.round, e.opponent, b.player AS agent, count(*) AS pairs,
+       sum(e.win + 0.5 * e.draw - b.win - 0.5 * b.draw) AS gap_sum,
+       sum((e.win + 0.5 * e.draw - b.win - 0.5 * b.draw) ^ 2) AS gap_sq_sum
+FROM seats_ e JOIN seats_ b ON b.run = e.run AND b.round = e.round AND b.seed = e.seed AND b.pid = e.pid
+    AND b.opponent = e.opponent
+WHERE e.run = $1 AND e.split = 'eval' AND b.split = 'baseline'
+GROUP BY ALL ORDER BY ALL"""
 
 PROBED_GAMES = "(t.env_id LIKE 'TicTacToe-%' OR t.env_id LIKE 'KuhnPoker-%')"  # the games _GAMES below reads
 
@@ -221,6 +249,25 @@ def pooled(curves: list[dict], rounds: list[int]) -> list[dict]:
                      "checkpoints": list(dict.fromkeys(played[(split, player, opponent)])), **s, "seats": seats,
                      "score": score, "low": low, "high": high, "draw_rate": s["draws"] / seats})
     return rows
+
+
+def paired_gaps(con, run_name: str, rounds: list[int]) -> dict[tuple[str, str], dict]:
+    """Per (eval opponent, baseline agent): the learner's score minus the agent's on the same eval games
+    of `rounds` (PAIRED_SQL), pooled: `gap`, its normal 95% interval (`low`, `high`; the pairs' sample
+    standard deviation) and `pairs`. Narrower than the two scores' own intervals side by side: the
+    luck of the deal and of the opponent's draws is common to both."""
+    sums: dict[tuple[str, str], list[float]] = {}
+    for round_, opponent, agent, n, s, sq in con.sql(PAIRED_SQL, params=[run_name]).fetchall():
+        if round_ in rounds:
+            acc = sums.setdefault((opponent, agent), [0, 0.0, 0.0])
+            acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + float(s), acc[2] + float(sq)
+    out = {}
+    for key, (n, s, sq) in sums.items():
+        mean = s / n
+        var = max(sq - n * mean * mean, 0.0) / (n - 1) if n > 1 else 0.0
+        half = Z95 * math.sqrt(var / n)
+        out[key] = {"gap": mean, "low": mean - half, "high": mean + half, "pairs": n}
+    return out
 
 
 def span(rounds: list[int]) -> str:
