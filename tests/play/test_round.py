@@ -361,11 +361,11 @@ def test_baseline_twins_draw_their_eval_games_numbers_seat_by_seat(tmp_path):
     agreed = after_a_draw = 0
     for twins in plays.values():
         a, b = twins.values()
-        for (ua, xa), (ub, xb) in zip(a, b):
-            if "random" in (ua, ub) and ua == ub:  # the opponent's move, the histories equal so far
+        for i, ((ua, xa), (ub, xb)) in enumerate(zip(a, b)):
+            if ua == ub == "random":  # the opponent's move, the histories equal so far
                 assert xa == xb, twins
                 agreed += 1
-                after_a_draw += any(u == "legal-random" for u, _ in a[:a.index((ua, xa))])
+                after_a_draw += any(u != "random" for u, _ in a[:i])  # the learner's seat drew first
             if xa != xb:
                 break
     # an opening move agrees trivially; one after the learner's seat drew (kuhn-best@0.5 draws once or
