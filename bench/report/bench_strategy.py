@@ -201,7 +201,8 @@ def final(rows: list[dict], gaps: Callable[[list[int]], dict] = lambda window: {
                                  "draw_rate": b["draw_rate"], "gap": _gap(paired.get((ev["opponent"], a)))}
                              for a, b in base.items()}}
         rec["legal_random_gap"] = rec["baselines"].get(LEGAL_RANDOM_UID, {}).get("gap")
-        minimax = [b for a, b in base.items() if a.startswith("minimax")]
+        # minimax itself where it replayed, else a variant (minimax-first, minimax@eps)
+        minimax = [b for a, b in sorted(base.items(), key=lambda ab: ab[0] != "minimax") if a.startswith("minimax")]
         if ev["opponent"].startswith("minimax"):
             rec["minimax_draw_rate"] = ev["draw_rate"]  # the learner's draws against minimax
         elif minimax:

@@ -66,7 +66,7 @@ LEGAL_RANDOM_UID = "legal-random"
 CHECKPOINT_UID = re.compile(r"ckpt-\d+")  # the learner names its checkpoints ckpt-<k> (learn.py)
 # Expert agents (play/experts.py): opponent names, alone or as `<expert>@<eps>` (a uniformly random
 # legal move with probability eps, the expert's move otherwise); the name is the seat's model_uid.
-EXPERT_UIDS = ("minimax", "kuhn-best")
+EXPERT_UIDS = ("minimax", "minimax-first", "kuhn-best")
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # run and endpoint names: safe in paths and messages
 
 

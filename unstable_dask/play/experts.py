@@ -2,6 +2,10 @@
 
   minimax     TicTacToe: a move of the exact game tree's optimal set (win > draw > loss for the
               mover), uniform over that set. It never loses.
+  minimax-first
+              TicTacToe: the lowest-numbered cell of that optimal set. It never loses either, and it
+              is a function of the board: a student imitating it has one right answer per state
+              (minimax's uniform draw gives up to nine), so its NLL can reach 0.
   kuhn-best   Kuhn Poker under TextArena's rules: bet whenever betting is legal, call a bet, never
               fold. TextArena keeps the pot at the two antes (a bet or call adds nothing), so a hand
               is worth +-1 whatever was bet: folding only loses, and a bet only gives the other
@@ -86,6 +90,10 @@ def minimax(obs: str, legal: list[str]) -> list[str]:
     return [f"[{c}]" for c in optimal_cells(board_from_obs(obs))]
 
 
+def minimax_first(obs: str, legal: list[str]) -> list[str]:
+    return [f"[{optimal_cells(board_from_obs(obs))[0]}]"]
+
+
 def kuhn_best(obs: str, legal: list[str]) -> list[str]:
     for move in ("[bet]", "[call]"):
         if move in legal:
@@ -94,9 +102,11 @@ def kuhn_best(obs: str, legal: list[str]) -> list[str]:
 
 
 # An expert: (observation, legal moves in it) -> its best moves, drawn uniformly.
-EXPERTS: dict[str, Callable[[str, list[str]], list[str]]] = {"minimax": minimax, "kuhn-best": kuhn_best}
+EXPERTS: dict[str, Callable[[str, list[str]], list[str]]] = {"minimax": minimax, "minimax-first": minimax_first,
+                                                              "kuhn-best": kuhn_best}
 # The games (TextArena ids up to '-v') each expert solves: any version and wrapper of them.
-SOLVES: dict[str, tuple[str, ...]] = {"minimax": ("TicTacToe",), "kuhn-best": ("KuhnPoker",)}
+SOLVES: dict[str, tuple[str, ...]] = {"minimax": ("TicTacToe",), "minimax-first": ("TicTacToe",),
+                                      "kuhn-best": ("KuhnPoker",)}
 
 
 def game_of(env_id: str) -> str:

@@ -5,7 +5,8 @@ Entrants. `league.entrants` specs (config.entrant_spec) resolve here, against th
 with a uid that is the seats' model_uid in the league's games:
 
   random              the random agent
-  minimax, kuhn-best  an expert agent (play/experts.py), or its epsilon form `<expert>@<eps>`
+  minimax, minimax-first, kuhn-best
+                      an expert agent (play/experts.py), or its epsilon form `<expert>@<eps>`
   base:<model>        a base model with no adapter (`base` is [model].base)
   <run>:ckpt-<k>      a checkpoint of a run, on that run's base model
   endpoint:<model>    an endpoint of [endpoints], by its served model id

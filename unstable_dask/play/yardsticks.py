@@ -8,8 +8,8 @@ fraction over every deal and every move of both players, under the rules TextAre
               wins along the top row whenever random fails to block it); take-a-win (a winning move
               when there is one, else random); take-a-win-else-first-free;
               win-or-block (else a move that stops the opponent's win, else random);
-              win-or-block-else-first-free (the fill order with those two rules first); minimax (the
-              expert agent); best-response (the best reply to the random agent: expectimax)
+              win-or-block-else-first-free (the fill order with those two rules first); minimax and
+              minimax-first (the expert agents); best-response (the best reply to the random agent: expectimax)
   KuhnPoker   legal-random; kuhn-best (the expert agent) over one hand (KuhnPoker-v0-single) or
               the n hands of TextArena's ids (KuhnPoker-v0: 3), where the pot stays at the two antes
               so a hand moves the chip count by exactly 1, the first hand is opened by player 1
@@ -63,6 +63,10 @@ def minimax(board: str) -> Dist:
     return _uniform(optimal_cells(board))
 
 
+def minimax_first(board: str) -> Dist:
+    return {optimal_cells(board)[0]: Fraction(1)}
+
+
 @lru_cache(maxsize=None)
 def _reply_value(board: str, me: str) -> Fraction:
     """The score of `me` when it plays best against the random agent from `board`."""
@@ -100,7 +104,8 @@ def win_or_block_else_first_free(board: str) -> Dist:
 TICTACTOE: dict[str, BoardPolicy] = {"legal-random": legal_random, "first-free": first_free,
                                      "take-a-win": take_a_win, "take-a-win-else-first-free": take_a_win_else_first_free,
                                      "win-or-block": win_or_block,
-                                     "win-or-block-else-first-free": win_or_block_else_first_free, "minimax": minimax, "best-response": best_response}
+                                     "win-or-block-else-first-free": win_or_block_else_first_free, "minimax": minimax,
+                                     "minimax-first": minimax_first, "best-response": best_response}
 
 
 def tictactoe_seat_score(policy: BoardPolicy, mark: str) -> Fraction:
