@@ -183,3 +183,23 @@ def test_a_failing_report_stops_the_lock_step_loop_one_round_later_losing_nothin
     assert lake.rounds("demo") == [0, 1] and [c["uid"] for c in lake.table("checkpoints").rows("demo")] == ["ckpt-1"]
     loop(job, rounds=3)
     check_lake(tmp_path / "lake", "demo", 3, 0)
+
+
+def test_an_eval_only_round_has_nothing_to_train_and_the_loop_trains_the_next_one(tmp_path, cache):
+    """A checkpoint's yardstick round (`run round --set round.train_games=0`) leaves the learner
+    nothing to train on: learn says so in one line, and loop plays on and trains the next round."""
+    from unstable_dask.learn.learner import learn
+    from unstable_dask.play.round import play_round
+    sets = {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"), **SETS}
+    job = load_job("jobs/demo.toml", sets)
+    loop(job, rounds=1, rate=False)
+    play_round(load_job("jobs/demo.toml", sets | {"round.train_games": 0}))  # round 1: eval games only
+    res = learn(job)
+    assert res.skipped and res.uid == "ckpt-1" and "no later committed round has turns to train on" in str(res)
+    loop(job, rounds=3, rate=False)
+    lake = Lake(job.run.lake)
+    assert lake.rounds("demo") == [0, 1, 2]
+    lineage = {c["uid"]: (c["parent_uid"], c["rounds_trained"]) for c in lake.table("checkpoints").rows("demo")}
+    assert lineage == {"ckpt-1": ("base", [0]), "ckpt-2": ("ckpt-1", [2])}
+    played = {r["round"]: r["checkpoint_uid"] for r in lake.sql("SELECT round, checkpoint_uid FROM rounds").to_pylist()}
+    assert played == {0: "base", 1: "ckpt-1", 2: "ckpt-1"}

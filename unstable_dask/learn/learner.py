@@ -67,7 +67,8 @@ class LearnResult:
 
     def __str__(self) -> str:
         if self.skipped:
-            return f"learn: {self.uid} already trained on rounds {self.rounds}; nothing to do"
+            return (f"learn: nothing to do: {self.uid} trained on rounds {self.rounds} and no later committed round "
+                    "has turns to train on")
         last = self.steps[-1] if self.steps else {}
         return (f"learn: {self.uid} (rounds {self.rounds}, {len(self.steps)} update(s), loss {last.get('loss', 0):.4f}, "
                 f"{last.get('tokens_per_s', 0):.0f} tok/s) -> {self.adapter_path}")
@@ -85,7 +86,8 @@ TIMINGS = ("time_dispatch_s",     # submit to the task starting (a Dask task on 
 
 
 def plan(job: Job, lake: Optional[Lake] = None) -> Optional[Plan]:
-    """What the next learn job trains: None when the newest committed round is already trained on.
+    """What the next learn job trains: None when the newest committed round is already trained on,
+    or when the rounds after the parent's played no train games (samples algorithms).
 
     One snapshot of the lake answers everything (taken after finishing an iteration whose learner
     died mid-commit); its versions are the plan's, so every batch of the iteration reads it."""
@@ -102,6 +104,14 @@ def plan(job: Job, lake: Optional[Lake] = None) -> Optional[Plan]:
     # "latest": every round the parent has not trained on (one in a lock-step loop; those the engines
     # played meanwhile in an overlapped one)
     rounds = window_rounds(committed, job.learn.window, trained)
+    if algorithms.spec(job.learn.algorithm).rows != "selected":
+        # An eval-only round (round.train_games = 0, e.g. a checkpoint's yardstick round) has no
+        # samples: the next round of the newest checkpoint is trained on instead.
+        with_train = set(lake.sql("SELECT DISTINCT round FROM games WHERE run = ? AND split = 'train'",
+                                  [run_name]).column("round").to_pylist())
+        rounds = [r for r in rounds if r in with_train]
+        if not rounds:
+            return None
     lineage = {BASE_UID: (0, None)} | {c["uid"]: (c["iteration"], c.get("adapter_sha256")) for c in ckpts}
     # Invariant: no update trains on samples more than learn.max_staleness iterations old (selected
     # rows, an expert's turns, were played by no checkpoint: any round of the window serves).
@@ -189,10 +199,13 @@ def learn(job: Job, show_sql: bool = False, preview: bool = False, client=None,
     lake = Lake(job.run.lake)
     p = plan(job, lake) if at_version is None else recorded_plan(job, at_version)
     if p is None:
-        ck = lake.table("checkpoints").rows(job.run.name, order_by="iteration")[-1]
+        cks = lake.table("checkpoints").rows(job.run.name, order_by="iteration")
+        ck = cks[-1] if cks else {"iteration": 0, "uid": BASE_UID, "adapter_path": None, "rounds_trained": []}
         if show_sql or preview:
-            raise JobError(f"{job.source}: {ck['uid']} already trained on the newest round; nothing to show")
-        return LearnResult(job.run.name, ck["iteration"], ck["uid"], ck["adapter_path"], ck["rounds_trained"], skipped=True)
+            raise JobError(f"{job.source}: {ck['uid']} already trained on every committed round with train games; "
+                           "nothing to show")
+        return LearnResult(job.run.name, ck["iteration"], ck["uid"], ck["adapter_path"], ck["rounds_trained"] or [],
+                           skipped=True)
     lake = lake.at(p.versions) if at_version is not None else lake  # the plan's snapshot either way
     con = lake.connect()
     try:
