@@ -150,6 +150,36 @@ def test_rl_continues_from_the_sft_checkpoint(trained, local_client):
     assert (then - first).norm() < 0.2 * first.norm()  # one RL step from it, not from the base
 
 
+# DAgger's selection: the learner's own train turns, each action replaced by the solver's move there.
+RELABEL = ("SELECT * REPLACE (expert_action('{expert}', env_id, observation) AS action), action AS played "
+           "FROM turns WHERE is_learner AND split = 'train'")
+
+
+def test_expert_action_relabels_the_learners_own_turns_with_the_solvers_move(played):
+    job, _ = played
+    table = rows(job, RELABEL.format(expert="minimax-first"))
+    n = Lake(job.run.lake).sql(f"SELECT count(*) AS n FROM turns WHERE run = '{RUN}' AND is_learner "
+                               "AND split = 'train'").to_pylist()[0]["n"]
+    assert table.num_rows == n >= 8  # every learner turn, invalid moves included: the state has a right move
+    turns = table.to_pylist()
+    for r in turns:
+        assert r["action"] == f"[{optimal_cells(board_from_obs(r['observation']))[0]}]"
+    assert any(r["played"] != r["action"] for r in turns)  # the model's moves were replaced, not kept
+    # minimax (uniform over its ties) relabels with the same single move: a label is a function of the state
+    assert rows(job, RELABEL.format(expert="minimax")).column("action") == table.column("action")
+    _, targets = selection.texts(job, table, Trainer(job, None, torch.device("cpu")).tokenizer)
+    assert targets == [f"\\boxed{{{r['action'].strip('[]')}}}" for r in turns]  # the template's answer form
+
+
+@pytest.mark.parametrize("expert,message", [("kuhn-best", "'kuhn-best' has no solver for 'TicTacToe-v0-train'"),
+                                            ("maximin", "no expert is named 'maximin'")])
+def test_expert_action_without_a_solver_is_one_line_naming_the_key(played, expert, message):
+    job, _ = played
+    with pytest.raises(JobError, match=rf"^learn\.select: the query failed .*{message}") as err:
+        rows(job, RELABEL.format(expert=expert))
+    assert "\n" not in str(err.value)
+
+
 def test_a_selection_without_turns_fails_before_training(played):
     _, root = played
     lake = root / "empty-select"

@@ -5,7 +5,9 @@ The query: `turns` is bound to the run's turns of the iteration's rounds (every 
 the job's SELECT, `learn.select`, picks), and up to batch_size of its rows are drawn by
 ORDER BY hash(round, game_id, turn, pid, seed) (no random(): a batch is a function of lake, SQL and
 seed), returned in (round, game_id, turn, pid) order. The default picks the turns of expert seats
-(config.EXPERT_UIDS, their exact form, not `<expert>@<eps>`) outside eval games.
+(config.EXPERT_UIDS, their exact form, not `<expert>@<eps>`) outside eval games. The SELECT may call
+expert_action(expert, env_id, observation), the expert's move in that state (play.agents.expert_move),
+to relabel turns it did not play: the learner's own, for DAgger.
 
 Rendering: the prompt is the row's observation in the learner's template for its env (the env's
 `template` in round.*_envs, else model.template; the `chat` ones through the tokenizer's chat
@@ -22,6 +24,7 @@ import pyarrow as pa
 from unstable_dask.config import EXPERT_UIDS, Job
 from unstable_dask.errors import JobError
 from unstable_dask.lake.read import check_select_only, sql_str
+from unstable_dask.learn.transforms import register_functions
 from unstable_dask.play.prompts import render_action, render_prompt
 
 DEFAULT_SELECT = (f"SELECT * FROM turns WHERE model_uid IN ({', '.join(sql_str(e) for e in EXPERT_UIDS)}) "
@@ -59,6 +62,7 @@ def run_selection(con: duckdb.DuckDBPyConnection, sql: str) -> pa.Table:
     """Run a selection query (read-only lake connection); a SQL mistake, a missing column or a row
     with nothing to render becomes JobError."""
     check_select_only(con, sql, what=f"{_KEY} query")
+    register_functions(con)
     try:
         table = con.sql(sql).to_arrow_table()
     except duckdb.Error as e:

@@ -28,7 +28,7 @@ import duckdb
 from unstable_dask.errors import JobError
 from unstable_dask.lake.read import check_select_only
 from unstable_dask.learn.ema import RoleAdvantageByEnvFormatter, RoleAdvantageFormatter, sql_num
-from unstable_dask.play.agents import expert_agrees
+from unstable_dask.play.agents import expert_agrees, expert_move
 from unstable_dask.play.experts import EXPERTS
 
 STAGES = ("final", "step", "sampling")
@@ -104,15 +104,21 @@ class StateRelativeAdvantage:
         WHERE t.split = 'train' AND t.is_learner AND t.round IN (SELECT DISTINCT round FROM {src}))"""
 
 
-# The SQL name of play.agents.expert_agrees, registered on each connection a batch query runs on.
+# The SQL names of play.agents' expert functions, registered on each connection a batch or
+# selection query runs on: expert_agrees(expert, env_id, observation, action) -> BOOLEAN for the
+# transforms, expert_action(expert, env_id, observation) -> VARCHAR for learn.select (relabelling).
 EXPERT_AGREES = "expert_agrees"
+EXPERT_ACTION = "expert_action"
 
 
 def register_functions(con: duckdb.DuckDBPyConnection) -> None:
-    """The Python functions the transforms' SQL calls, on `con` (once per connection)."""
-    known = con.execute("SELECT 1 FROM duckdb_functions() WHERE function_name = ?", [EXPERT_AGREES]).fetchall()
-    if not known:
+    """The Python functions the transforms' and learn.select's SQL calls, on `con` (once per connection)."""
+    known = {r[0] for r in con.execute("SELECT function_name FROM duckdb_functions() WHERE function_name IN (?, ?)",
+                                       [EXPERT_AGREES, EXPERT_ACTION]).fetchall()}
+    if EXPERT_AGREES not in known:
         con.create_function(EXPERT_AGREES, expert_agrees, ["VARCHAR"] * 4, "BOOLEAN")
+    if EXPERT_ACTION not in known:
+        con.create_function(EXPERT_ACTION, expert_move, ["VARCHAR"] * 3, "VARCHAR")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from functools import lru_cache
 from typing import Callable, Optional
 
 from unstable_dask.config import RANDOM_UID, expert_parts
-from unstable_dask.play.experts import EXPERTS
+from unstable_dask.play.experts import EXPERTS, solves
 from unstable_dask.play.prompts import BRACKETED_MOVE, move_rule
 
 _LIST_LINE = re.compile(r"(available|valid|legal)\s+(moves|actions)[^\n]*", re.IGNORECASE)
@@ -74,6 +74,17 @@ def expert_agrees(expert: str, env_id: str, obs: str, action: Optional[str]) -> 
     if move is None:
         return False
     return any(_read_move(env_id, best) == move for best in EXPERTS[expert](obs, legal_moves(env_id, obs)))
+
+
+def expert_move(expert: str, env_id: str, obs: str) -> str:
+    """`expert`'s move in the state `obs` shows, one per state: the first of its best moves (for
+    'minimax', the lowest optimal cell: the move 'minimax-first' plays). Relabelling a turn with it
+    (learn.select's expert_action) makes SFT data from any state, the learner's own included."""
+    if expert not in EXPERTS:
+        raise ValueError(f"expert_action: no expert is named {expert!r} (one of {', '.join(EXPERTS)})")
+    if not solves(expert, env_id):
+        raise ValueError(f"expert_action: {expert!r} has no solver for {env_id!r}")
+    return EXPERTS[expert](obs, legal_moves(env_id, obs))[0]
 
 
 Agent = Callable[[str, str, random.Random], Optional[str]]  # (env_id, observation, the seat's rng) -> move

@@ -41,7 +41,8 @@ class Config(LearnConfig):
     """One SELECT over `turns` (the run's turns of the iteration's rounds) returning whole turns
     (at least round, game_id, turn, pid, env_id, observation, action): the rows SFT imitates, each
     observation rendered in the learner's template and the action as its target. Default: the turns
-    of expert seats (minimax, minimax-first, kuhn-best) outside eval games."""
+    of expert seats (minimax, minimax-first, kuhn-best) outside eval games. SQL function
+    expert_action(expert, env_id, observation) relabels any turn with the expert's move (DAgger)."""
     step_transforms: list[str] = []
     """Unused by sft (no rewards): must stay empty; choose turns with learn.select."""
 
