@@ -158,8 +158,8 @@ RELABEL = ("SELECT * REPLACE (expert_action('{expert}', env_id, observation) AS 
 def test_expert_action_relabels_the_learners_own_turns_with_the_solvers_move(played):
     job, _ = played
     table = rows(job, RELABEL.format(expert="minimax-first"))
-    n = Lake(job.run.lake).sql(f"SELECT count(*) AS n FROM turns WHERE run = '{RUN}' AND is_learner "
-                               "AND split = 'train'").to_pylist()[0]["n"]
+    n = Lake(job.run.lake).sql(f"SELECT count(*) AS n FROM turns WHERE run = '{RUN}' AND round = 0 "
+                               "AND is_learner AND split = 'train'").to_pylist()[0]["n"]
     assert table.num_rows == n >= 8  # every learner turn, invalid moves included: the state has a right move
     turns = table.to_pylist()
     for r in turns:
