@@ -1,10 +1,11 @@
 """Strategy, not only legal moves: every run of a lake against the right baseline, read from the lake.
 
 For each run: `game` (the eval games' TextArena game), `seed`, `start` (`base`, or the SFT checkpoint
-RL continued from: the checkpoints the run began with whose algorithm is `sft`), `taught_by` (the
+RL continued from: the checkpoints the run began with whose algorithm is `sft`; a run of SFT checkpoints
+only started from `base`), `algorithm` (of its newest checkpoint), `taught_by` (the
 experts whose ExpertMove step transform scored the learner's moves: [] is RL from the game's reward
 alone), `model`, `job` (its
-whole validated job, from the lake's `rounds.job`), `wall_minutes`, and `final`: the learner's eval
+whole validated job, from the lake's `rounds.job` of its newest round with train games), `wall_minutes`, and `final`: the learner's eval
 score (win rate, draws half) against `random` (else the first eval opponent) pooled over the run's
 last 3 rounds with eval games, with one Wilson 95% interval, `games`, `rounds`, and legal-random's
 on the same rounds' replays of the same games (`legal_random_score`, `legal_random_ci`), every other
@@ -108,8 +109,11 @@ def run_rows(con, run_name: str) -> dict:
     from unstable_dask.report import strength
     from unstable_dask.report.report import round_curves
     rows = round_curves(con, run_name)
-    meta = con.sql("""SELECT min(started_at), max(committed_at), arg_max(job, round) FROM rounds WHERE run = ?""",
-                   params=[run_name]).fetchall()[0]
+    # The job that trained: the newest round with train games (a later eval-only round may run
+    # another job, e.g. a yardstick with more eval games), else the newest round's.
+    meta = con.sql("""SELECT min(started_at), max(committed_at), coalesce(arg_max(job, round) FILTER (WHERE round IN
+                          (SELECT round FROM games WHERE run = $1 AND split = 'train')), arg_max(job, round))
+                      FROM rounds WHERE run = $1""", params=[run_name]).fetchall()[0]
     last_ckpt = con.sql("SELECT max(created_at) FROM checkpoints WHERE run = ?", params=[run_name]).fetchall()[0][0]
     end = max(t for t in (meta[1], last_ckpt) if t is not None)
     job = json.loads(meta[2])
@@ -162,7 +166,7 @@ def run_rows(con, run_name: str) -> dict:
             "eval_envs": games, "start": start(con, run_name),
             "taught_by": [t.expert for t in parse_transforms(job["learn"].get("step_transforms", []), "step")
                           if isinstance(t, ExpertMove)],
-            "algorithm": job["learn"]["algorithm"], "model": job["model"]["base"],
+            "algorithm": algorithm(con, run_name) or job["learn"]["algorithm"], "model": job["model"]["base"],
             "opponents": job["round"]["opponents"]["strategy"],
             "wall_minutes": (end - meta[0]).total_seconds() / 60, "play_minutes": (play_s or 0) / 60,
             "update_minutes": (learn_s or 0) / 60, **verdict, "rounds": rounds}
@@ -170,10 +174,17 @@ def run_rows(con, run_name: str) -> dict:
 
 def start(con, run_name: str) -> str:
     """What RL started from: `base`, or the last of the SFT checkpoints the run began with (the
-    checkpoints table's algorithm; RL continues from the newest of them)."""
+    checkpoints table's algorithm; RL continues from the newest of them). A run of SFT checkpoints
+    only (SFT, DAgger) started from `base`: nothing continued from them."""
     ckpts = con.sql("SELECT uid, algorithm FROM checkpoints WHERE run = ? ORDER BY iteration", params=[run_name]).fetchall()
     sft = [uid for uid, _ in itertools.takewhile(lambda c: c[1] == "sft", ckpts)]
-    return sft[-1] if sft else "base"
+    return sft[-1] if sft and len(sft) < len(ckpts) else "base"
+
+
+def algorithm(con, run_name: str) -> str | None:
+    """The algorithm that wrote the run's newest checkpoint (None: no checkpoint yet)."""
+    rows = con.sql("SELECT arg_max(algorithm, iteration) FROM checkpoints WHERE run = ?", params=[run_name]).fetchall()
+    return rows[0][0] if rows else None
 
 
 def final(rows: list[dict], gaps: Callable[[list[int]], dict] = lambda window: {}, k: int = FINAL_ROUNDS) -> dict:
@@ -217,10 +228,11 @@ def _gap(g: dict | None) -> dict | None:
 
 
 def merge_runs(old: list[dict], new: list[dict]) -> list[dict]:
-    """The records of `old` that `new` does not read again, then `new`: a record is one run and seed
-    (one job's seeds share its run name, each in its own lake)."""
-    again = {(r["run"], r["seed"]) for r in new}
-    return [r for r in old if (r["run"], r["seed"]) not in again] + new
+    """The records of `old` that `new` does not read again, then `new`: a record is one run, seed and
+    lake (one job's seeds share its run name, each in its own lake; a run rolled back and continued
+    in a copy of its lake is a second record beside the first)."""
+    again = {(r["run"], r["seed"], r["lake"]) for r in new}
+    return [r for r in old if (r["run"], r["seed"], r.get("lake")) not in again] + new
 
 
 def main() -> None:
@@ -229,7 +241,7 @@ def main() -> None:
     ap.add_argument("--runs", nargs="*")
     ap.add_argument("--keep", action="store_true",
                     help="keep the runs already in strategy.json that these lakes do not hold (a lake per machine, "
-                         "session or seed); a run and seed these lakes hold is read again")
+                         "session or seed); a run, seed and lake these lakes hold is read again")
     ap.add_argument("--compare", nargs="+", metavar="RUN",
                     help="also draw these runs' eval win-rate curves on one chart: bench/results/strategy_compare.svg")
     args = ap.parse_args()

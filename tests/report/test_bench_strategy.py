@@ -144,9 +144,26 @@ def test_strategy_record_of_a_real_run(tmp_path, local_client):
         assert f">{who}<" in section, who
 
 
-def test_keep_merges_records_by_run_and_seed():
-    """`--keep`: a job's seeds share its run name and are read from their own lakes; reading seed 1
-    again replaces seed 1's record only."""
-    old = [{"run": "ttt", "seed": 0, "v": "a"}, {"run": "ttt", "seed": 1, "v": "b"}, {"run": "kuhn", "seed": 1, "v": "c"}]
-    new = [{"run": "ttt", "seed": 1, "v": "d"}, {"run": "ttt", "seed": 2, "v": "e"}]
-    assert [r["v"] for r in _bench().merge_runs(old, new)] == ["a", "c", "d", "e"]
+def test_keep_merges_records_by_run_seed_and_lake():
+    """`--keep`: a job's seeds share its run name and are read from their own lakes; reading seed 1's
+    lake again replaces seed 1's record only; the same run and seed in another lake (a rolled-back
+    copy continued by another job) is a record of its own."""
+    old = [{"run": "ttt", "seed": 0, "lake": "l0", "v": "a"}, {"run": "ttt", "seed": 1, "lake": "l1", "v": "b"},
+           {"run": "kuhn", "seed": 1, "lake": "k1", "v": "c"}]
+    new = [{"run": "ttt", "seed": 1, "lake": "l1", "v": "d"}, {"run": "ttt", "seed": 2, "lake": "l2", "v": "e"},
+           {"run": "ttt", "seed": 0, "lake": "l0-branch", "v": "f"}]
+    assert [r["v"] for r in _bench().merge_runs(old, new)] == ["a", "c", "d", "e", "f"]
+
+
+def test_a_run_of_sft_checkpoints_only_started_from_base_and_is_labelled_by_its_checkpoints():
+    """DAgger (every checkpoint `sft`) started from the base model; SFT then RL started from the last
+    SFT checkpoint; the algorithm is the newest checkpoint's, not the newest round's job (an eval-only
+    yardstick round may run another job)."""
+    import duckdb
+    bench, con = _bench(), duckdb.connect()
+    con.execute("CREATE TABLE checkpoints (run VARCHAR, uid VARCHAR, algorithm VARCHAR, iteration INTEGER)")
+    con.execute("""INSERT INTO checkpoints VALUES ('dagger', 'ckpt-1', 'sft', 1), ('dagger', 'ckpt-2', 'sft', 2),
+                   ('rl', 'ckpt-1', 'sft', 1), ('rl', 'ckpt-2', 'reinforce', 2), ('rl', 'ckpt-3', 'reinforce', 3)""")
+    assert (bench.start(con, "dagger"), bench.algorithm(con, "dagger")) == ("base", "sft")
+    assert (bench.start(con, "rl"), bench.algorithm(con, "rl")) == ("ckpt-1", "reinforce")
+    assert (bench.start(con, "none"), bench.algorithm(con, "none")) == ("base", None)
