@@ -98,6 +98,7 @@ def test_rollback_retires_checkpoints_and_their_rounds_and_the_loop_goes_on(tmp_
         rollback(job, "ckpt-9")
     done = rollback(job, "ckpt-1")
     assert done.checkpoints == ["ckpt-2", "ckpt-3"] and done.rounds == [2]
+    assert done.next_round == 3 and "its next round is 3" in str(done) and "--rounds 4 or more" in str(done)
     lake = Lake(job.run.lake)
     assert lake.rounds("demo") == [0, 1] and [c["uid"] for c in lake.table("checkpoints").rows("demo")] == ["ckpt-1"]
     assert lake.sql("SELECT count(*) AS n FROM games WHERE round = 2").to_pylist() == [{"n": 0}]

@@ -14,10 +14,13 @@ class Rollback:
     to: str
     checkpoints: list[str]
     rounds: list[int]
+    next_round: int  # retired numbers stay claimed: `loop --rounds N` plays up to round N-1 from here
 
     def __str__(self) -> str:
         return (f"rollback: run '{self.run_name}' goes on from {self.to}; retired {', '.join(self.checkpoints)} and the "
-                f"round(s) they played {self.rounds} (the rounds {self.to} played stay)")
+                f"round(s) they played {self.rounds} (the rounds {self.to} played stay); its next round is "
+                f"{self.next_round} (numbers are not reused: `loop --rounds` counts them, so play on with "
+                f"--rounds {self.next_round + 1} or more)")
 
 
 def rollback(job: Job, to: str) -> Rollback:
@@ -38,4 +41,5 @@ def rollback(job: Job, to: str) -> Rollback:
     rounds = [r["round"] for r in lake.table("rounds").rows(run_name) if r["checkpoint_uid"] in retired]
     lake.retire("rounds", run_name, rounds)  # the rounds first: no learner may train on them meanwhile
     lake.retire("checkpoints", run_name, [by_uid[u] for u in retired])
-    return Rollback(run_name, to, retired, sorted(rounds))
+    last = Lake(job.run.lake).last_round(run_name)
+    return Rollback(run_name, to, retired, sorted(rounds), 0 if last is None else last + 1)
