@@ -183,8 +183,7 @@ def start(con, run_name: str) -> str:
 
 def algorithm(con, run_name: str) -> str | None:
     """The algorithm that wrote the run's newest checkpoint (None: no checkpoint yet)."""
-    rows = con.sql("SELECT arg_max(algorithm, iteration) FROM checkpoints WHERE run = ?", params=[run_name]).fetchall()
-    return rows[0][0] if rows else None
+    return con.sql("SELECT arg_max(algorithm, iteration) FROM checkpoints WHERE run = ?", params=[run_name]).fetchall()[0][0]
 
 
 def final(rows: list[dict], gaps: Callable[[list[int]], dict] = lambda window: {}, k: int = FINAL_ROUNDS) -> dict:
