@@ -1,6 +1,7 @@
 """bench/report/bench_strategy.py's record of a run, on a lake written by real rounds: an SFT start
-(learn.algorithm = "sft" on minimax's train moves), then REINFORCE; `final` pooled over the last 3
-rounds, the learner beside legal-random and minimax on the same eval games."""
+(learn.algorithm = "sft" on minimax's train moves), then REINFORCE, then an eval-only yardstick round;
+`final` pooled over the last 3 rounds, the learner beside legal-random and minimax on the same eval
+games, and its draw rate against minimax as an eval opponent."""
 from __future__ import annotations
 
 import importlib.util
@@ -28,14 +29,14 @@ def _bench():
     return module
 
 
-def _job(tmp_path, **learn):
+def _job(tmp_path, rounds: dict | None = None, **learn):
     over = {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"), "run.seed": 7,
             "model.max_new_tokens": 8, "round.train_games": 8, "round.eval_games": 8, "round.games_per_task": 8,
             "round.concurrency": 8, "round.train_envs": [TTT], "round.eval_envs": [TTT | {"opponents": ["random"]}],
             "round.opponents": {"strategy": "fixed", "fixed": ["minimax"]},
             "round.eval_baseline": [LEGAL_RANDOM_UID, "minimax"],
             "learn.batch_size": 8, "learn.mini_batch_size": 8, "learn.gradient_checkpointing": False}
-    return load_job("jobs/demo.toml", over | {f"learn.{k}": v for k, v in learn.items()})
+    return load_job("jobs/demo.toml", over | (rounds or {}) | {f"learn.{k}": v for k, v in learn.items()})
 
 
 def _scores(lake: Lake, split: str, rounds: list[int], uid_is: str) -> tuple[float, int]:
@@ -142,6 +143,26 @@ def test_strategy_record_of_a_real_run(tmp_path, local_client):
     assert "pooled over rounds 1-3" in section and 'id="probes-table"' in section
     for who in ("learner", LEGAL_RANDOM_UID, "minimax", "take-a-win"):
         assert f">{who}<" in section, who
+
+    # An eval-only yardstick round, run with another job (no train games, no minimax replays, minimax
+    # as an eval opponent): the record keeps the job that trained, pools the new round in, and gives
+    # the learner's own draw rate against minimax.
+    yard = _job(tmp_path, {"round.train_games": 0, "round.eval_envs": [TTT | {"opponents": ["random", "minimax"]}],
+                           "round.eval_baseline": [LEGAL_RANDOM_UID]})
+    play_round(yard, client=local_client)
+    con = lake.refresh().connect()
+    try:
+        rec = bench.run_rows(con, rl.run.name)
+    finally:
+        con.close()
+    assert rec["job"]["round"]["train_games"] == 8 and rec["algorithm"] == "reinforce"
+    assert rec["final"]["rounds"] == [2, 3, 4]
+    vs_minimax = rec["final_by_opponent"]["minimax"]
+    draws = lake.sql("""SELECT count(*) AS n, sum((s.reward = o.reward)::INT) AS d FROM seats s JOIN seats o
+                        ON o.game_id = s.game_id AND o.pid <> s.pid
+                        WHERE s.split = 'eval' AND s.is_learner AND s.round = 4 AND o.model_uid = 'minimax'""").to_pylist()[0]
+    assert vs_minimax["games"] == draws["n"] > 0 and vs_minimax["rounds"] == [2, 3, 4]
+    assert vs_minimax["minimax_draw_rate"] == pytest.approx(draws["d"] / draws["n"])
 
 
 def test_keep_merges_records_by_run_seed_and_lake():
