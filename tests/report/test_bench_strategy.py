@@ -29,14 +29,14 @@ def _bench():
     return module
 
 
-def _job(tmp_path, rounds: dict | None = None, **learn):
+def _job(tmp_path, extra: dict | None = None, **learn):
     over = {"run.lake": str(tmp_path / "lake"), "run.reports": str(tmp_path / "reports"), "run.seed": 7,
             "model.max_new_tokens": 8, "round.train_games": 8, "round.eval_games": 8, "round.games_per_task": 8,
             "round.concurrency": 8, "round.train_envs": [TTT], "round.eval_envs": [TTT | {"opponents": ["random"]}],
             "round.opponents": {"strategy": "fixed", "fixed": ["minimax"]},
             "round.eval_baseline": [LEGAL_RANDOM_UID, "minimax"],
             "learn.batch_size": 8, "learn.mini_batch_size": 8, "learn.gradient_checkpointing": False}
-    return load_job("jobs/demo.toml", over | (rounds or {}) | {f"learn.{k}": v for k, v in learn.items()})
+    return load_job("jobs/demo.toml", over | (extra or {}) | {f"learn.{k}": v for k, v in learn.items()})
 
 
 def _scores(lake: Lake, split: str, rounds: list[int], uid_is: str) -> tuple[float, int]:
@@ -145,10 +145,10 @@ def test_strategy_record_of_a_real_run(tmp_path, local_client):
         assert f">{who}<" in section, who
 
     # An eval-only yardstick round, run with another job (no train games, no minimax replays, minimax
-    # as an eval opponent): the record keeps the job that trained, pools the new round in, and gives
-    # the learner's own draw rate against minimax.
+    # as an eval opponent, another algorithm): the record keeps the job that trained and the newest
+    # checkpoint's algorithm, pools the new round in, and gives the learner's own draw rate against minimax.
     yard = _job(tmp_path, {"round.train_games": 0, "round.eval_envs": [TTT | {"opponents": ["random", "minimax"]}],
-                           "round.eval_baseline": [LEGAL_RANDOM_UID]})
+                           "round.eval_baseline": [LEGAL_RANDOM_UID]}, algorithm="sft")
     play_round(yard, client=local_client)
     con = lake.refresh().connect()
     try:
