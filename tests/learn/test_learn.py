@@ -190,6 +190,26 @@ def test_settings_changed_after_the_first_checkpoint_apply_or_are_refused(tmp_pa
     assert [(x["iteration"], x["lr"]) for x in lrs] == [(1, 1e-3), (2, 3e-3)]
 
 
+def test_a_decaying_lr_schedule_continues_across_iterations(tmp_path):
+    """learn.lr_schedule counts the run's updates along the lineage: the second iteration's first
+    step takes the lr of update 3, not the schedule's start, and lr_end holds after the horizon."""
+    import math
+    lake = make_lake(tmp_path / "lake", rounds=1, games=12)
+    sched = dict(lr=1e-3, lr_end=1e-4, lr_schedule="cosine", lr_decay_updates=4, updates_per_round=3)
+    learn(job_for(lake, **sched))
+    make_lake(lake, rounds=1, games=12, seed=1, first=2, uid="ckpt-1")
+    learn(job_for(lake, **sched))
+    rows = Lake(lake).sql("SELECT iteration, lr FROM learner_steps ORDER BY iteration, \"update\"").to_pylist()
+    want = [1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi * min(u / 4, 1))) for u in range(6)]
+    assert [x["iteration"] for x in rows] == [1, 1, 1, 2, 2, 2]
+    assert [x["lr"] for x in rows] == pytest.approx(want, rel=1e-12)
+    assert rows[0]["lr"] == 1e-3 and rows[4]["lr"] == rows[5]["lr"] == pytest.approx(1e-4)
+    linear = validate_job({"run": {"name": RUN}, "learn": dict(lr=1e-3, lr_schedule="linear", lr_decay_updates=10)})
+    assert [linear.learn.lr_at(u) for u in (0, 5, 10, 50)] == pytest.approx([1e-3, 5e-4, 0.0, 0.0])
+    with pytest.raises(JobError, match=r"key .learn.: lr_end \(0.01\) must be <= lr \(0.001\)"):
+        validate_job({"run": {"name": RUN}, "learn": dict(lr=1e-3, lr_end=1e-2, lr_schedule="cosine")})
+
+
 def test_an_algorithm_s_own_metric_reaches_the_lake_without_a_schema_edit(tmp_path, monkeypatch):
     """A metric no learner_steps column names lands in the `metrics` map (SQL: metrics['name']);
     one that cannot be stored (not a number) stops the job before any adapter is written."""

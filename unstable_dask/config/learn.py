@@ -1,6 +1,7 @@
 """[learn]: the settings every algorithm has (each algorithm adds its own in its file)."""
 from __future__ import annotations
 
+import math
 from typing import Literal, Optional, Union
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -23,6 +24,16 @@ class LearnConfig(Strict):
     """Micro-batch: rows per forward/backward pass; gradients accumulate over the batch."""
     lr: float = Field(1e-5, gt=0.0, le=1.0)
     """AdamW learning rate of the LoRA adapter (at most 1: a larger step diverges at once)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """How lr moves over the run's updates, counted along the checkpoint lineage (a resumed learner
+    continues the count of its parent): constant; or from lr at the first update down to lr_end at
+    update lr_decay_updates, on a line or a half cosine, and lr_end after it. The step actually taken
+    is learner_steps.lr. A2C's critic keeps critic_lr."""
+    lr_end: float = Field(0.0, ge=0.0)
+    """The learning rate a decaying lr_schedule ends at (at most lr)."""
+    lr_decay_updates: int = Field(1000, gt=0)
+    """Updates of the run (learn.updates_per_round per iteration, all iterations so far) over which a
+    decaying lr_schedule goes from lr to lr_end."""
     grad_clip: float = Field(0.2, gt=0.0)
     """Clip of the gradient's global norm before each optimizer step (UnstableBaselines: 0.2)."""
     weight_decay: float = Field(0.0, ge=0.0)
@@ -112,7 +123,17 @@ class LearnConfig(Strict):
     def _mini(self) -> "LearnConfig":
         if self.mini_batch_size > self.batch_size:
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must be <= batch_size ({self.batch_size})")
+        if self.lr_schedule != "constant" and self.lr_end > self.lr:
+            raise ValueError(f"lr_end ({self.lr_end:g}) must be <= lr ({self.lr:g}): a schedule decays")
         return self
+
+    def lr_at(self, update: int) -> float:
+        """The learning rate of the run's update number `update` (0: its first) under lr_schedule."""
+        if self.lr_schedule == "constant":
+            return self.lr
+        frac = min(update / self.lr_decay_updates, 1.0)
+        shape = 1.0 - frac if self.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+        return self.lr_end + (self.lr - self.lr_end) * shape
 
     @field_validator("window")
     @classmethod

@@ -211,6 +211,8 @@ class Trainer:
         or other weights, and above learn.max_logp_gap it stops the job. Later updates' gaps include
         the policy's own move (lr x updates), so they are recorded, not judged."""
         t0 = time.perf_counter()
+        for group in self.optimizer.param_groups:  # learn.lr_schedule: this update's step of the run
+            group["lr"] = self.cfg.lr_at(self.updates)
         table, dropped = (drop_silent_groups(table, drop=not self.cfg.silent_rows_have_gradient())
                           if self.spec.unit == "group" else (table, {}))
         m: dict = dict(dropped, dtype=str(self.dtype).removeprefix("torch."), lr=self.optimizer.param_groups[0]["lr"],
