@@ -101,6 +101,17 @@ def test_pip_install_ships_the_job_files(tmp_path):
         assert f"unstable_dask/jobs/{job.name}" in names
 
 
+def test_install_stops_at_once_naming_the_folder_when_the_disk_is_too_full(tmp_path):
+    """Out of room, pip used to fail minutes into `make install` (CI, stop 63); the check comes first."""
+    import os
+    venv = tmp_path / "venv"
+    out = subprocess.run(["bash", str(Path(__file__).parents[2] / "scripts" / "install.sh"), str(venv)],
+                         env={**os.environ, "INSTALL_MIN_FREE_GB": "1000000000"}, capture_output=True, text=True)
+    assert out.returncode == 1
+    assert f"install: {venv} needs about 1000000000 GB free and its filesystem has " in out.stderr
+    assert not venv.exists()
+
+
 @pytest.mark.parametrize("key", ["run.lake", "run.reports"])
 def test_an_empty_lake_or_reports_location_is_refused(tmp_path, capsys, monkeypatch, imported, key):
     """run.lake = "" used to write every table into the current folder."""
