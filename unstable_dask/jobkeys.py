@@ -13,7 +13,6 @@ On the top floor (tests/test_layout.py): it reads the algorithms' registry, whic
 from __future__ import annotations
 
 import json
-import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -226,6 +225,9 @@ def markdown() -> str:
 
 
 if __name__ == "__main__":  # rewrites docs/job-keys.md (run from the repository root)
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else PAGE
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m unstable_dask.jobkeys", description="Write the job-key reference.")
+    ap.add_argument("out", nargs="?", type=Path, default=PAGE, help=f"the page to write (default: {PAGE})")
+    out = ap.parse_args().out
     out.write_text(markdown(), encoding="utf-8")
     print(f"wrote {out}")

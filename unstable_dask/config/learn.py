@@ -60,6 +60,12 @@ class LearnConfig(Strict):
     gradient_checkpointing: bool = True
     """Recompute activations in the backward pass: measured on CPU (SmolLM2, ~430-token rows,
     micro-batches of 8), 0.31x the update's peak memory at 0.70x the speed (BENCHMARKS.md)."""
+    share_prefix: bool = True
+    """Without gradient checkpointing: forward the tokens every row of a micro-batch starts with once
+    and let each row attend to their keys and values (gradient flows through them), and order a
+    step's rows by content when that computes fewer positions than ordering them by length (turns of
+    one seat share their rules text). The loss is the same up to float rounding. Ignored under
+    gradient checkpointing, where transformers drops the key/value cache."""
     resident: Literal["auto", "always", "never"] = "auto"
     """Keep the learner's model (the frozen base in its LoRA layers) and tokenizer loaded in its process
     between iterations, loading only the parent adapter's weights into it (learn/resident.py): auto
@@ -126,6 +132,10 @@ class LearnConfig(Strict):
         if self.lr_schedule != "constant" and self.lr_end > self.lr:
             raise ValueError(f"lr_end ({self.lr_end:g}) must be <= lr ({self.lr:g}): a schedule decays")
         return self
+
+    def shares_prefix(self) -> bool:
+        """Whether the update computes a micro-batch's shared prefix once (learn.share_prefix)."""
+        return self.share_prefix and not self.gradient_checkpointing
 
     def lr_at(self, update: int) -> float:
         """The learning rate of the run's update number `update` (0: its first) under lr_schedule."""

@@ -24,7 +24,10 @@ Micro-batches: rows of one optimizer step sorted by length before they are cut, 
 longest row, and the LM head applied only from the micro-batch's first completion position on
 (`logits_to_keep` where the model has it): the loss needs logits at ~40 completion positions of a
 ~300-token row, not at every prompt position. Optimizer steps get rows shuffled with the batch seed
-(reproducible), so a mini-batch is not one game's turns.
+(reproducible), so a mini-batch is not one game's turns. learn.share_prefix (without gradient
+checkpointing): the tokens all rows of a micro-batch start with are forwarded once and their keys
+and values reused by every row, and a step's rows are ordered by content where that computes fewer
+positions than ordering by length (a seat's turns share their rules text).
 
 torch is imported inside functions: algorithm files import this module, and loading a job reads
 their Config without importing torch.
@@ -43,10 +46,12 @@ if TYPE_CHECKING:
 
 
 def plan(lengths: Sequence[int], rows_per_step: Optional[int], micro_size: int, epochs: int,
-         seed: int) -> list[list[list[list[int]]]]:
+         seed: int, share: Optional[Tokens] = None) -> list[list[list[list[int]]]]:
     """epochs -> optimizer steps -> micro-batches, as row indices. Each epoch shuffles the rows with
     `seed` (the batch seed: reproducible) before cutting steps of `rows_per_step` (None: all rows);
-    each step's rows are sorted by length, then cut into micro-batches of `micro_size`."""
+    each step's rows are sorted by length, then cut into micro-batches of `micro_size`. `share`: the
+    batch's tokens when forward passes share prefixes (learn.share_prefix); a step's rows are then
+    sorted by content instead where that computes fewer positions (`positions`)."""
     import torch
     n = len(lengths)
     gen = torch.Generator().manual_seed(int(seed))
@@ -57,9 +62,42 @@ def plan(lengths: Sequence[int], rows_per_step: Optional[int], micro_size: int, 
         steps = []
         for s in range(0, n, per):
             rows = sorted(order[s:s + per], key=lambda i: (lengths[i], i))
-            steps.append([rows[m:m + micro_size] for m in range(0, len(rows), micro_size)])
+            micro = [rows[m:m + micro_size] for m in range(0, len(rows), micro_size)]
+            if share is not None:
+                ids = share.input_ids.tolist()
+                by_content = sorted(rows, key=lambda i: (ids[i][:lengths[i]], i))
+                other = [by_content[m:m + micro_size] for m in range(0, len(rows), micro_size)]
+                micro = min(micro, other, key=lambda mb: positions(share, mb))
+            steps.append(micro)
         out.append(steps)
     return out
+
+
+def shared_prefix(tokens: Tokens, rows: list[int], limit: int) -> int:
+    """How many leading tokens all of `rows` have in common, at most `limit`."""
+    if len(rows) < 2 or limit <= 0:
+        return 0
+    block = tokens.input_ids[rows, :limit]
+    return int((block == block[:1]).all(0).long().cumprod(0).sum())
+
+
+def _window(tokens: Tokens, rows: list[int]) -> tuple[int, int]:
+    """(length, first): a micro-batch's longest row and the first position whose logits its loss
+    needs (the one before its earliest completion token)."""
+    length = int(tokens.attention_mask[rows].sum(-1).max())
+    target = tokens.loss_mask[rows, 1:length]
+    return length, int(target.any(0).nonzero().min()) if bool(target.any()) else length - 1
+
+
+def positions(tokens: Tokens, micro: list[list[int]]) -> int:
+    """Token positions the forward passes over these micro-batches compute when each computes its
+    shared prefix once (the cost `plan` minimises)."""
+    total = 0
+    for rows in micro:
+        length, first = _window(tokens, rows)
+        shared = shared_prefix(tokens, rows, first)
+        total += shared + len(rows) * (length - shared)
+    return total
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,18 +141,27 @@ class Pass:
 
 
 def forward(model: Any, tokens: Tokens, rows: list[int], temperature: Sequence[float], top_p: Sequence[float],
-            device: Any) -> Pass:
+            device: Any, share: bool = False) -> Pass:
     """Log-probs of the completion tokens of `rows` under their sampling distributions, computing
-    logits only from the first completion position of the micro-batch on."""
+    logits only from the first completion position of the micro-batch on. `share`
+    (learn.share_prefix): the tokens all rows start with are forwarded once, as one row whose keys
+    and values every row then attends to (with gradient through them)."""
     import torch
-    length = int(tokens.attention_mask[rows].sum(-1).max())
+    length, first = _window(tokens, rows)
     ids = tokens.input_ids[rows, :length].to(device)
     att = tokens.attention_mask[rows, :length].to(device)
     lm = tokens.loss_mask[rows, :length].to(device)
-    target = lm[:, 1:]
-    first = int(target.any(0).nonzero().min()) if bool(target.any()) else length - 1
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if _keeps_logits(cast(Hashable, type(base))):
+    keeps = _keeps_logits(cast(Hashable, type(base)))
+    # transformers drops the cache under gradient checkpointing: the rows would lose their prefix
+    checkpointing = model.training and bool(getattr(base, "is_gradient_checkpointing", False))
+    shared = shared_prefix(tokens, rows, first) if share and keeps and not checkpointing else 0
+    if shared:
+        cache = model(input_ids=ids[:1, :shared], use_cache=True, logits_to_keep=1).past_key_values
+        cache.batch_repeat_interleave(len(rows))
+        logits = model(input_ids=ids[:, shared:], attention_mask=att, past_key_values=cache, use_cache=True,
+                       logits_to_keep=length - first).logits[:, :-1]
+    elif keeps:
         # logits at positions first..length-1; the last one predicts past the row: dropped
         logits = model(input_ids=ids, attention_mask=att, logits_to_keep=length - first).logits[:, :-1]
     else:
@@ -228,7 +275,8 @@ class Mismatch:
         return out
 
 
-def kept_tokens(model: Any, batch: Any, step: list[list[int]], device: Any, per_sequence: bool = False) -> int:
+def kept_tokens(model: Any, batch: Any, step: list[list[int]], device: Any, per_sequence: bool = False,
+                share: bool = False) -> int:
     """The completion tokens of one optimizer step's micro-batches (`batch`: an algorithms.Batch)
     that the importance weights keep: the "token-mean" normaliser under learn.is_mode = "mask",
     where dropped tokens leave the loss and its normaliser. A no-grad pass, needed only when the
@@ -237,7 +285,7 @@ def kept_tokens(model: Any, batch: Any, step: list[list[int]], device: Any, per_
     n = 0
     with torch.no_grad():
         for rows in step:
-            p = forward(model, batch.tokens, rows, batch.temperature, batch.top_p, device)
+            p = forward(model, batch.tokens, rows, batch.temperature, batch.top_p, device, share)
             n += int(batch.mismatch.kept(p.logp, p.take(batch.behaviour), batch.known[rows].to(p.logp.device), p.mask,
                                          per_sequence).sum())
     return n

@@ -136,7 +136,7 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
     per_sequence = objective is not token_objective  # GSPO: one ratio and one IS weight per sequence
     model, optimizer, tokens = models.policy, models.optimizer, batch.tokens
     epochs = passes.plan(tokens.attention_mask.sum(-1).tolist(), args.ppo_mini_batch_size, args.mini_batch_size,
-                         args.ppo_epochs, batch.seed)
+                         args.ppo_epochs, batch.seed, share=tokens if args.shares_prefix() else None)
     several = sum(len(e) for e in epochs) > 1
     # pi_old, the IS weights and the kept mask of every row, fixed for the whole update
     old_all = torch.zeros_like(batch.behaviour)
@@ -158,7 +158,7 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
         with torch.no_grad():
             for step in epochs[0]:
                 for rows in distributed.shard(step):  # this rank's micro-batches (all in one process)
-                    p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device)
+                    p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device, args.shares_prefix())
                     old_all[rows, p.start:p.end] = p.logp.cpu()
                     weigh(p, p.logp)
                     batch.mismatch.add_entropy(p.entropy([batch.temperature[i] for i in rows],
@@ -177,12 +177,12 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
             step_rows = [i for rows in step for i in rows]
             step_tokens = int(tokens.loss_mask[step_rows].sum())
             step_kept = (int(kept_all[step_rows].sum()) if several else
-                         passes.kept_tokens(model, batch, step, device, per_sequence) if mask_mean else step_tokens)
+                         passes.kept_tokens(model, batch, step, device, per_sequence, args.shares_prefix()) if mask_mean else step_tokens)
             optimizer.zero_grad(set_to_none=True)
             s = dict(loss=0.0, pg_loss=0.0, kl=0.0, logp=0.0, ppo_kl=0.0, tokens=0.0, clipped=0.0, counted=0.0)
             for rows in distributed.shard(step):  # gradient accumulation over (this rank's) micro-batches
                 temp, top = [batch.temperature[i] for i in rows], [batch.top_p[i] for i in rows]
-                p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device)
+                p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device, args.shares_prefix())
                 entropy = p.entropy(temp, top, grad=True) if args.entropy_coef > 0 else None
                 if several:
                     old = p.take(old_all)
@@ -202,7 +202,7 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
                 if args.kl_coef > 0:  # k3 to the frozen base at temperature T, without top-p (same support)
                     ones = [1.0] * batch.size
                     with torch.no_grad(), model.disable_adapter():  # type: ignore[operator]
-                        ref = passes.forward(model, tokens, rows, batch.temperature, ones, device).logp
+                        ref = passes.forward(model, tokens, rows, batch.temperature, ones, device, args.shares_prefix()).logp
                     d = ref - p.relogprobs(temp, [1.0] * len(rows))
                     k3 = (d.exp() - d - 1).clamp(max=10.0)
                     kl = passes.aggregate(k3, mask, args.normalization, args.max_generation_len, m, step_kept)

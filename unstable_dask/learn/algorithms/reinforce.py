@@ -56,14 +56,15 @@ def update(models: Models, batch: Batch, args: Config, device) -> dict:
     model, optimizer, tokens, n = models.policy, models.optimizer, batch.tokens, batch.size
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    (step,), = passes.plan(tokens.attention_mask.sum(-1).tolist(), None, args.mini_batch_size, 1, batch.seed)
+    (step,), = passes.plan(tokens.attention_mask.sum(-1).tolist(), None, args.mini_batch_size, 1, batch.seed,
+                             share=tokens if args.shares_prefix() else None)
     n_tokens = int(tokens.loss_mask.sum())
     # is_mode = "mask" drops tokens from the loss and from "token-mean"'s normaliser: count them first
-    n_kept = (passes.kept_tokens(model, batch, step, device)
+    n_kept = (passes.kept_tokens(model, batch, step, device, share=args.shares_prefix())
               if batch.mismatch.mode == "mask" and args.normalization == "token-mean" else n_tokens)
     loss_sum, pg_sum, logp_sum = 0.0, 0.0, 0.0
     for rows in distributed.shard(step):  # this rank's micro-batches (all of them in one process)
-        p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device)
+        p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device, args.shares_prefix())
         old = p.logp.detach()  # theta = theta_old in the one optimizer step
         w, mask = batch.mismatch.weights(old, p.take(batch.behaviour), batch.known[rows].to(old.device), p.mask,
                                          batch.fresh_rows(rows))

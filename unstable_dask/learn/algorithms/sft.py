@@ -62,11 +62,12 @@ def update(models: Models, batch: Batch, args: Config, device) -> dict:
     model, optimizer, tokens, n = models.policy, models.optimizer, batch.tokens, batch.size
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    (step,), = passes.plan(tokens.attention_mask.sum(-1).tolist(), None, args.mini_batch_size, 1, batch.seed)
+    (step,), = passes.plan(tokens.attention_mask.sum(-1).tolist(), None, args.mini_batch_size, 1, batch.seed,
+                             share=tokens if args.shares_prefix() else None)
     n_tokens = int(tokens.loss_mask.sum())
     nll, hits, exact = 0.0, 0.0, 0.0
     for rows in distributed.shard(step):
-        p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device)
+        p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device, args.shares_prefix())
         loss = -passes.aggregate(p.logp, p.mask, "token-mean", None, n, n_tokens)
         loss.backward()
         nll += loss.item()
