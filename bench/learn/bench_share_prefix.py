@@ -1,9 +1,13 @@
-"""learn.share_prefix on vs off: seconds an update and token positions its forward passes compute,
-on the batches a checkpoint of a real run trained on.
+"""The CPU learner's update before and after prefix sharing and float32 attention: seconds an update
+and token positions its forward passes compute, on the batches a checkpoint of a real run trained on.
 
-Two learners (same job, one with learn.share_prefix = false) update on the very batches iteration
-`--at` of `--run` drew from `--lake` (its recorded table versions and seeds: learner.recorded_plan),
-in turn (A B A B) so the machine's drift hits both alike; the first update of each is a warm-up.
+Three learners of the same job update on the very batches iteration `--at` of `--run` drew from
+`--lake` (its recorded table versions and seeds: learner.recorded_plan), in turn (A B C A B C) so the
+machine's drift hits all alike; the first update of each is a warm-up:
+  before   learn.share_prefix = false and transformers' own SDPA attention (bf16 under autocast);
+  shared   learn.share_prefix = true, the same attention;
+  now      what the Trainer runs: shared, and attention in float32 (trainer.fp32_attention) when the
+           update is bf16 on a CPU.
 Positions are counted from the plan (passes.positions): with sharing, a micro-batch's common prefix
 once plus each row's rest; without, every row whole, padded to its micro-batch's longest.
 
@@ -57,9 +61,11 @@ def main() -> None:
             update = u % max(len(p.seeds), 1)
             batches.append((run_batch(con, on, build_query(on, p, update, con)), p.seeds.get(update, u)))
     dev = torch.device("cpu")
-    learners = {"shared": Trainer(on, None, dev), "whole": Trainer(off, None, dev)}
+    learners = {"before": Trainer(off, None, dev), "shared": Trainer(on, None, dev), "now": Trainer(on, None, dev)}
+    for name in ("before", "shared"):  # transformers' own attention, as the learner had it
+        learners[name].policy.get_base_model().set_attn_implementation("sdpa")
     seconds: dict[str, list[float]] = {k: [] for k in learners}
-    positions: dict[str, list[int]] = {k: [] for k in learners}
+    positions: dict[str, list[int]] = {"before": [], "shared": []}
     tokens_total = []
     for i, (table, seed) in enumerate(batches):
         for name, trainer in learners.items():
@@ -74,20 +80,22 @@ def main() -> None:
         (whole,), = passes.plan(lengths, None, mb, 1, seed)
         if i:
             positions["shared"].append(passes.positions(tok, shared))
-            positions["whole"].append(sum(len(r) * int(tok.attention_mask[r].sum(-1).max()) for r in whole))
+            positions["before"].append(sum(len(r) * int(tok.attention_mask[r].sum(-1).max()) for r in whole))
             tokens_total.append(int(tok.attention_mask.sum()))
     med = {k: statistics.median(v) for k, v in seconds.items()}
     pos = {k: statistics.mean(v) for k, v in positions.items()}
     res = dict(job=args.job, run=args.run, at=args.at, model=on.model.base, rows=on.learn.batch_size,
                mini_batch_size=on.learn.mini_batch_size, tokens_mean=statistics.mean(tokens_total),
                step_seconds=seconds, step_seconds_median=med, positions=positions, positions_mean=pos,
-               speedup=med["whole"] / med["shared"], positions_ratio=pos["shared"] / pos["whole"],
+               speedup_shared=med["before"] / med["shared"], speedup_now=med["before"] / med["now"],
+               positions_ratio=pos["shared"] / pos["before"],
                peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
                torch_threads=torch.get_num_threads())
     save("share_prefix", res, settings=vars(args))
-    print(row("learner", "s an update (median)", "positions an update (mean)", "vs whole rows"))
+    print(row("learner", "s an update (median)", "positions an update (mean)", "speed vs before"))
     for k in learners:
-        print(row(k, f"{med[k]:.1f}", f"{pos[k]:.0f}", f"{med['whole'] / med[k]:.2f}x speed, {pos[k] / pos['whole']:.2f}x positions"))
+        shown = pos.get(k, pos["shared"])
+        print(row(k, f"{med[k]:.1f}", f"{shown:.0f}", f"{med['before'] / med[k]:.2f}x"))
 
 
 if __name__ == "__main__":

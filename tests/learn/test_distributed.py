@@ -25,13 +25,20 @@ from helpers.lakes import RUN, tiny_lake
 # the driver's 2, so the same size of error; 10x the measured reordering error for margin. A wrong
 # normaliser or a clip before the all-reduce moves weights by ~lr = 1e-3.
 TOL = 5e-6
+# learn.share_prefix (the default): the shared prefix's gradient is a sum over the micro-batch's rows
+# whose order follows the thread count, so one process differs from itself run with 1 thread instead
+# of 2 by up to 2.5e-5 (measured, this job; 0.0 without sharing), which AdamW's first step lifts to
+# that size on near-zero gradients. 4x that: still 1/10 of what a wrong row or normaliser moves.
+TOL_SHARED = 1e-4
 
 JOBS = {"reinforce": dict(algorithm="reinforce", updates_per_round=2),
-        "grpo-epochs": dict(algorithm="grpo", ppo_epochs=2, ppo_mini_batch_size=4)}
+        "grpo-epochs": dict(algorithm="grpo", ppo_epochs=2, ppo_mini_batch_size=4),
+        "reinforce-shared-prefix": dict(algorithm="reinforce", updates_per_round=2, share_prefix=True)}
 
 
 def job_for(lake, n_workers=2, **learn):
-    cfg = dict(batch_size=8, mini_batch_size=2, lr=1e-3, gradient_checkpointing=False, device="cpu") | learn
+    cfg = dict(batch_size=8, mini_batch_size=2, lr=1e-3, gradient_checkpointing=False, device="cpu",
+               share_prefix=False) | learn
     return validate_job({"run": {"name": RUN, "lake": str(lake)}, "learn": cfg,
                          "round": {"group_size": 2, "train_games": 16},
                          "cluster": {"kind": "local", "n_workers": n_workers, "dashboard": False},
@@ -73,7 +80,7 @@ def test_two_gloo_ranks_give_the_one_process_adapter(tmp_path, client, name):
     diff = max(float((a[k] - b[k]).abs().max()) for k in a)
     moved = max(float(v.abs().max()) for k, v in a.items() if "lora_B" in k)  # B starts at 0: what the update moved
     print(f"{name}: 2 ranks vs 1 process, max abs diff {diff:.3g} (weights up to {moved:.3g})")
-    assert diff <= TOL < moved, (diff, moved)
+    assert diff <= (TOL_SHARED if JOBS[name].get("share_prefix") else TOL) < moved, (diff, moved)
     # The metrics are the whole batch's, summed over the ranks, not rank 0's half.
     s1, s2 = (Lake(x).table("learner_steps").read().to_pylist() for x in (one, two))
     assert len(s1) == len(s2) == JOBS[name].get("updates_per_round", 1)

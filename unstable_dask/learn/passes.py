@@ -55,6 +55,7 @@ def plan(lengths: Sequence[int], rows_per_step: Optional[int], micro_size: int, 
     import torch
     n = len(lengths)
     gen = torch.Generator().manual_seed(int(seed))
+    ids = share.input_ids.tolist() if share is not None else []
     out = []
     for _ in range(epochs):
         order = torch.randperm(n, generator=gen).tolist() if rows_per_step is not None and rows_per_step < n else list(range(n))
@@ -64,7 +65,6 @@ def plan(lengths: Sequence[int], rows_per_step: Optional[int], micro_size: int, 
             rows = sorted(order[s:s + per], key=lambda i: (lengths[i], i))
             micro = [rows[m:m + micro_size] for m in range(0, len(rows), micro_size)]
             if share is not None:
-                ids = share.input_ids.tolist()
                 by_content = sorted(rows, key=lambda i: (ids[i][:lengths[i]], i))
                 other = [by_content[m:m + micro_size] for m in range(0, len(rows), micro_size)]
                 micro = min(micro, other, key=lambda mb: positions(share, mb))
