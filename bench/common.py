@@ -3,6 +3,7 @@ the markdown row each prints, the synthetic learner batch, and the figures of a 
 cluster whose engines are resident."""
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -113,6 +114,32 @@ def tictactoe_batch(tokenizer, n: int, repeat: int = 5):
                for i in range(n)]
     return learner_batch(tokenizer, prompts,
                          [f"I play [{(i + 4) % 9}]" + " because it blocks the row" * (i % 9) for i in range(n)])
+
+
+def replay_arguments() -> argparse.ArgumentParser:
+    """The options of a bench that replays a real run's learner batches (recorded_batches)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--job", default="jobs/smollm2-tictactoe-dagger-base.toml")
+    ap.add_argument("--lake", required=True)
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--at", default="1", help="the iteration (or checkpoint uid) whose batches to replay")
+    ap.add_argument("--updates", type=int, default=6, help="timed updates of each learner (after one warm-up)")
+    return ap
+
+
+def recorded_batches(job, at: str, n: int) -> list:
+    """(table, seed) of the first `n` updates of iteration (or checkpoint uid) `at` of `job`'s run,
+    replayed from its lake at the table versions and with the seeds that update recorded
+    (learner.recorded_plan); cycles through the iteration's updates when `n` is larger."""
+    from unstable_dask.lake import Lake
+    from unstable_dask.learn.learner import build_query, recorded_plan, run_batch
+    p = recorded_plan(job, at)
+    out = []
+    with Lake(job.run.lake).at(p.versions).connect() as con:
+        for u in range(n):
+            update = u % max(len(p.seeds), 1)
+            out.append((run_batch(con, job, build_query(job, p, update, con)), p.seeds.get(update, u)))
+    return out
 
 
 def row(*cells) -> str:

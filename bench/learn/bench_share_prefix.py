@@ -18,7 +18,6 @@ Writes bench/results/share_prefix.json and prints markdown rows.
 """
 from __future__ import annotations
 
-import argparse
 import resource
 import statistics
 import sys
@@ -31,35 +30,21 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 MEASURES = ["unstable_dask/learn/"]  # what bench/stale.py checks for changes since a result's commit
 
 from unstable_dask.jobfile import load_job
-from unstable_dask.lake import Lake
 from unstable_dask.learn import passes
-from unstable_dask.learn.learner import build_query, recorded_plan, run_batch
 from unstable_dask.learn.trainer import Trainer
 
-from common import row, save
+from common import recorded_batches, replay_arguments, row, save
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--job", default="jobs/smollm2-tictactoe-dagger-base.toml")
-    ap.add_argument("--lake", required=True)
-    ap.add_argument("--run", required=True)
-    ap.add_argument("--at", default="1", help="the iteration (or checkpoint uid) whose batches to replay")
-    ap.add_argument("--updates", type=int, default=6, help="timed updates of each learner (after one warm-up)")
-    args = ap.parse_args()
+    args = replay_arguments().parse_args()
 
     def job(share: bool):
         return load_job(args.job, {"run.lake": args.lake, "run.name": args.run, "learn.share_prefix": share})
     on, off = job(True), job(False)
     if not on.learn.shares_prefix():
         raise SystemExit(f"{args.job}: learn.gradient_checkpointing is on, so nothing is shared; compare a job without it")
-    p = recorded_plan(on, args.at)
-    lake = Lake(on.run.lake).at(p.versions)
-    batches = []
-    with lake.connect() as con:
-        for u in range(args.updates + 1):
-            update = u % max(len(p.seeds), 1)
-            batches.append((run_batch(con, on, build_query(on, p, update, con)), p.seeds.get(update, u)))
+    batches = recorded_batches(on, args.at, args.updates + 1)
     dev = torch.device("cpu")
     learners = {"before": Trainer(off, None, dev), "shared": Trainer(on, None, dev), "now": Trainer(on, None, dev)}
     for name in ("before", "shared"):  # transformers' own attention, as the learner had it
