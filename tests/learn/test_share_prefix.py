@@ -14,7 +14,7 @@ from unstable_dask.inference.engine import encode_prompts
 from unstable_dask.inference.weights import resolve_model
 from unstable_dask.jobfile import validate_job
 from unstable_dask.learn import passes
-from unstable_dask.learn.tokens import completion_logprobs, tokenize
+from unstable_dask.learn.tokens import tokenize
 from unstable_dask.learn.trainer import Trainer
 
 RULES = ("<|im_start|>system\nYou play a two-player game.<|im_end|>\n<|im_start|>user\nYou are Player {seat} in "
@@ -123,45 +123,3 @@ def test_under_gradient_checkpointing_nothing_is_shared(tok, tmp_path):
         shared = passes.forward(trainer.policy, tokens, [0, 1, 2, 3], ones, ones, torch.device("cpu"), share=True)
         whole = passes.forward(trainer.policy, tokens, [0, 1, 2, 3], ones, ones, torch.device("cpu"), share=False)
     torch.testing.assert_close(shared.logp, whole.logp, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("share", [False, True])
-def test_logits_are_computed_only_where_a_completion_token_is_scored(tok, tmp_path, share):
-    """Rows of different lengths put their completions at different positions: the LM head runs at
-    the union of those positions, not over the span from the first to the last, and each row's
-    log-probs, their gradient, and the per-token tensors the pass reads and writes are those of a
-    forward pass over whole rows."""
-    job = job_for(tmp_path, algorithm="reinforce")
-    torch.manual_seed(0)
-    trainer = Trainer(job, None, torch.device("cpu"))
-    prompts = encode_prompts(tok, PROMPTS, 10**6)
-    completions = [tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for c in COMPLETIONS]
-    tokens = tokenize(prompts, completions, None, tok.pad_token_id or 0)
-    rows = [0, 3, 5, 6]  # both seats, histories of 0-3 moves, completions of 2-5 tokens
-    ones = [1.0] * len(PROMPTS)
-    model = trainer.policy
-    model.train()
-    p = passes.forward(model, tokens, rows, ones, ones, torch.device("cpu"), share=share)
-    target = tokens.loss_mask[rows, 1:]
-    scored = sorted(set(target.nonzero()[:, 1].tolist()))
-    assert p.cols.tolist() == scored
-    assert len(scored) < scored[-1] - scored[0] + 1  # the span between would hold prompt positions
-    assert p.logits.shape[1] == len(scored) and p.mask.sum() == target.sum()
-
-    length = int(tokens.attention_mask[rows].sum(-1).max())
-    ids, att = tokens.input_ids[rows, :length], tokens.attention_mask[rows, :length]
-    full = completion_logprobs(model(input_ids=ids, attention_mask=att).logits[:, :-1], ids,
-                               tokens.loss_mask[rows, :length], ones[:4], ones[:4])
-    torch.testing.assert_close(p.logp, full[:, p.cols], rtol=1e-5, atol=1e-5)
-    grads = []
-    for logp in (p.logp, full):
-        model.zero_grad(set_to_none=True)
-        logp.sum().backward(retain_graph=True)
-        grads.append([q.grad.clone() for q in model.parameters() if q.grad is not None])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-
-    batch = torch.zeros(len(PROMPTS), tokens.input_ids.shape[1] - 1)
-    p.put(batch, p.mask * 2.0)
-    assert torch.equal(batch[:, :length - 1][rows] != 0, target[:, :length - 1].bool())
-    assert torch.equal(p.take(batch), p.mask * 2.0)

@@ -21,10 +21,9 @@ the weights' mean, max, truncated share and effective sample size, and the polic
 same per-token entropy that `learn.entropy_coef` rewards, verl's entropy_coeff).
 
 Micro-batches: rows of one optimizer step sorted by length before they are cut, each trimmed to its
-longest row, and the LM head applied only at the positions some row of the micro-batch has a
-completion token to score (`logits_to_keep` as indices where the model has it): the loss needs
-logits at a few completion positions of a ~300-token row, not at every prompt position, nor at the
-prompt positions between one row's completion and another's. Optimizer steps get rows shuffled with the batch seed
+longest row, and the LM head applied only from the micro-batch's first completion position on
+(`logits_to_keep` where the model has it): the loss needs logits at ~40 completion positions of a
+~300-token row, not at every prompt position. Optimizer steps get rows shuffled with the batch seed
 (reproducible), so a mini-batch is not one game's turns. learn.share_prefix (without gradient
 checkpointing): the tokens all rows of a micro-batch start with are forwarded once and their keys
 and values reused by every row, and a step's rows are ordered by content where that computes fewer
@@ -90,12 +89,6 @@ def _window(tokens: Tokens, rows: list[int]) -> tuple[int, int]:
     return length, int(target.any(0).nonzero().min()) if bool(target.any()) else length - 1
 
 
-def _columns(tokens: Tokens, rows: list[int], length: int) -> "torch.Tensor":
-    """The positions (ascending) whose logits score a completion token of some row of `rows`:
-    position t predicts token t + 1."""
-    return tokens.loss_mask[rows, 1:length].any(0).nonzero().flatten()
-
-
 def positions(tokens: Tokens, micro: list[list[int]]) -> int:
     """Token positions the forward passes over these micro-batches compute when each computes its
     shared prefix once (the cost `plan` minimises)."""
@@ -115,23 +108,19 @@ def _keeps_logits(cls: Any) -> bool:
 
 @dataclass
 class Pass:
-    """One forward pass over a micro-batch, its logits kept at the columns its loss needs."""
+    """One forward pass over a micro-batch, windowed to its completion positions."""
     rows: list[int]
-    cols: "torch.Tensor"  # [W] the kept positions, ascending, in the [B, T-1] coordinates of the batch's per-token tensors
+    start: int  # window start, in the [B, T-1] coordinates of the batch's per-token tensors
+    end: int  # window end (exclusive)
     logits: "torch.Tensor"  # [b, W, V]
     logp: "torch.Tensor"  # [b, W] float32 log-probs under each row's sampling distribution (floored)
     mask: "torch.Tensor"  # [b, W] 1.0 on completion tokens
-    window_ids: "torch.Tensor"  # [b, W+1] logits[:, t] predicts window_ids[:, t+1] (column 0: padding)
+    window_ids: "torch.Tensor"  # [b, W+1] the tokens of the window (logits[:, t] predicts window_ids[:, t+1])
     window_lm: "torch.Tensor"  # [b, W+1] their loss mask
 
     def take(self, x: "torch.Tensor") -> "torch.Tensor":
-        """This pass's rows and columns of a [B, T-1] per-token tensor of the batch."""
-        return x[self.rows][:, self.cols].to(self.logp.device)
-
-    def put(self, x: "torch.Tensor", value: "torch.Tensor") -> None:
-        """Write `value` [b, W] into this pass's rows and columns of a [B, T-1] tensor, in place."""
-        import torch
-        x[torch.tensor(self.rows).unsqueeze(-1), self.cols.unsqueeze(0)] = value.to(x.device, x.dtype)
+        """This pass's rows and window of a [B, T-1] per-token tensor of the batch."""
+        return x[self.rows][:, self.start:self.end].to(self.logp.device)
 
     def relogprobs(self, temperature: Sequence[float], top_p: Sequence[float]) -> "torch.Tensor":
         """The same tokens' log-probs from the same logits under other sampling settings (per row of
@@ -153,13 +142,12 @@ class Pass:
 
 def forward(model: Any, tokens: Tokens, rows: list[int], temperature: Sequence[float], top_p: Sequence[float],
             device: Any, share: bool = False) -> Pass:
-    """Log-probs of the completion tokens of `rows` under their sampling distributions, the LM head
-    applied only at the positions whose logits score some row's completion token. `share`
+    """Log-probs of the completion tokens of `rows` under their sampling distributions, computing
+    logits only from the first completion position of the micro-batch on. `share`
     (learn.share_prefix): the tokens all rows start with are forwarded once, as one row whose keys
     and values every row then attends to (with gradient through them)."""
     import torch
     length, first = _window(tokens, rows)
-    cols = _columns(tokens, rows, length)
     ids = tokens.input_ids[rows, :length].to(device)
     att = tokens.attention_mask[rows, :length].to(device)
     lm = tokens.loss_mask[rows, :length].to(device)
@@ -168,21 +156,20 @@ def forward(model: Any, tokens: Tokens, rows: list[int], temperature: Sequence[f
     # transformers drops the cache under gradient checkpointing: the rows would lose their prefix
     checkpointing = model.training and bool(getattr(base, "is_gradient_checkpointing", False))
     shared = shared_prefix(tokens, rows, first) if share and keeps and not checkpointing else 0
-    at = cols.to(device)
     if shared:
         cache = model(input_ids=ids[:1, :shared], use_cache=True, logits_to_keep=1).past_key_values
         cache.batch_repeat_interleave(len(rows))
         logits = model(input_ids=ids[:, shared:], attention_mask=att, past_key_values=cache, use_cache=True,
-                       logits_to_keep=at - shared).logits
+                       logits_to_keep=length - first).logits[:, :-1]
     elif keeps:
-        logits = model(input_ids=ids, attention_mask=att, logits_to_keep=at).logits
+        # logits at positions first..length-1; the last one predicts past the row: dropped
+        logits = model(input_ids=ids, attention_mask=att, logits_to_keep=length - first).logits[:, :-1]
     else:
-        logits = model(input_ids=ids, attention_mask=att).logits[:, at]
-    pad = ids[:, :1]  # column 0 of window_ids is never a target (completion_logprobs scores 1..W)
-    window_ids = torch.cat([pad, ids[:, at + 1]], dim=1)
-    window_lm = torch.cat([torch.zeros_like(lm[:, :1]), lm[:, at + 1]], dim=1)
+        logits = model(input_ids=ids, attention_mask=att).logits[:, first:-1]
+    window_ids = ids[:, first:]  # token t+1 of window position t
+    window_lm = lm[:, first:]
     logp = completion_logprobs(logits, window_ids, window_lm, [temperature[i] for i in rows], [top_p[i] for i in rows])
-    return Pass(rows, cols, logits, logp, window_lm[:, 1:].to(torch.float32), window_ids, window_lm)
+    return Pass(rows, first, length - 1, logits, logp, window_lm[:, 1:].to(torch.float32), window_ids, window_lm)
 
 
 def aggregate(x: "torch.Tensor", mask: "torch.Tensor", mode: str, max_len: Optional[int], rows: int,

@@ -151,8 +151,7 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
         if per_sequence:
             w_all[rows], keep_all[rows] = w.cpu(), keep.cpu()
         else:
-            p.put(w_all, w)
-            p.put(keep_all, keep * p.mask)
+            w_all[rows, p.start:p.end], keep_all[rows, p.start:p.end] = w.cpu(), (keep * p.mask).cpu()
 
     if several:  # pi_old: a no-grad pass over the first epoch's very micro-batches (same shapes)
         model.eval()
@@ -160,7 +159,7 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
             for step in epochs[0]:
                 for rows in distributed.shard(step):  # this rank's micro-batches (all in one process)
                     p = passes.forward(model, tokens, rows, batch.temperature, batch.top_p, device, args.shares_prefix())
-                    p.put(old_all, p.logp)
+                    old_all[rows, p.start:p.end] = p.logp.cpu()
                     weigh(p, p.logp)
                     batch.mismatch.add_entropy(p.entropy([batch.temperature[i] for i in rows],
                                                          [batch.top_p[i] for i in rows], grad=False), p.mask)
@@ -195,7 +194,7 @@ def update(models: Models, batch: Batch, args: PPOConfig, device, objective: Opt
                 if per_sequence:
                     w, mask = w_all[rows].to(old.device), p.mask * keep_all[rows].to(old.device).unsqueeze(-1)
                 else:
-                    w, mask = p.take(w_all), p.take(keep_all) * p.mask  # keep_all is 1 outside the first pass's columns
+                    w, mask = p.take(w_all), p.take(keep_all) * p.mask  # keep_all is 1 outside the first pass's windows
                 adv = batch.advantages[rows].to(device, p.logp.dtype)
                 per_token, clipped = objective(p.logp, old, w, mask, adv, args)
                 pg = passes.aggregate(per_token, mask, args.normalization, args.max_generation_len, m, step_kept)
